@@ -1,0 +1,506 @@
+"""Page-major pool layouts: specs, their sizes, and per-layer views over raw bytes.
+
+A pool is one contiguous region of a raw ``uint8`` buffer, starting at
+``anchor_bytes``. The region is split into pages of ``page_size`` token slots;
+within a page every layer's blocks sit together, so one page is one contiguous
+block of ``page_bytes`` (this is what lets a run of pages move as one copy)::
+
+    MHA page = [L0_K x ps | L0_V x ps | L1_K x ps | L1_V x ps | ...]
+    MLA page = [L0_latent x ps | L1_latent x ps | ...]       (MHA, one head, no V)
+    Mamba slot = [conv0 x layers | conv1 x layers | ... | temporal x layers]
+
+The offsets, shapes and strides are byte-for-byte those of SGLang's page-major
+layout (``shared/reference/page_major.py``). Views are built generically from a
+list of ``ViewSpec`` (dtype, shape, element strides, byte offset), which is also
+what a ``PoolDescriptor`` carries, so any process rebuilds identical views.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from kvxfer.dtypes import itemsize, torch_dtype
+from kvxfer.errors import InvalidSpecError
+
+
+class PoolKind(enum.Enum):
+    """What a pool stores."""
+
+    MHA = "mha"
+    MLA = "mla"
+    MAMBA = "mamba"
+
+
+class ViewRole(enum.Enum):
+    """What one view of a pool shows."""
+
+    K = "k"
+    V = "v"
+    LATENT = "latent"
+    CONV = "conv"
+    TEMPORAL = "temporal"
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidSpecError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _non_negative(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidSpecError(f"{name}={value!r} must be a non-negative integer")
+    return value
+
+
+def _shape(name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not value:
+        raise InvalidSpecError(f"{name}={value!r} must be a non-empty list of positive integers")
+    return tuple(_positive(f"{name}[{i}]", int_) for i, int_ in enumerate(value))
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for size in reversed(shape):
+        strides.append(acc)
+        acc *= size
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class MhaSpec:
+    """Multi-head (GQA) attention KV: per layer a K and a V row per token slot."""
+
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+
+    kind = PoolKind.MHA
+
+    def __post_init__(self) -> None:
+        for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "page_size", "num_pages"):
+            _positive(name, getattr(self, name))
+        torch_dtype(self.dtype)
+
+    @property
+    def k_row_bytes(self) -> int:
+        """Bytes of one token's K row in one layer (all heads)."""
+        return self.head_num * self.head_dim * itemsize(self.dtype)
+
+    @property
+    def v_row_bytes(self) -> int:
+        """Bytes of one token's V row in one layer (all heads)."""
+        return self.head_num * self.v_head_dim * itemsize(self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot across all layers, K and V."""
+        return self.layer_num * (self.k_row_bytes + self.v_row_bytes)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: ``page_size`` slots of every layer."""
+        return self.page_size * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def alignment(self) -> int:
+        """The byte alignment the pool's anchor must have."""
+        return itemsize(self.dtype)
+
+    def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
+        """Per-layer K and V views, in layer order (K0, V0, K1, V1, ...)."""
+        size = itemsize(self.dtype)
+        page_elems = self.page_bytes // size
+        views = []
+        for layer in range(self.layer_num):
+            k_base = anchor_bytes + layer * self.page_size * (self.k_row_bytes + self.v_row_bytes)
+            v_base = k_base + self.page_size * self.k_row_bytes
+            views.append(
+                ViewSpec(
+                    role=ViewRole.K,
+                    index=layer,
+                    dtype=self.dtype,
+                    shape=(self.num_pages, self.page_size, self.head_num, self.head_dim),
+                    stride=(page_elems, self.k_row_bytes // size, self.head_dim, 1),
+                    offset_bytes=k_base,
+                )
+            )
+            views.append(
+                ViewSpec(
+                    role=ViewRole.V,
+                    index=layer,
+                    dtype=self.dtype,
+                    shape=(self.num_pages, self.page_size, self.head_num, self.v_head_dim),
+                    stride=(page_elems, self.v_row_bytes // size, self.v_head_dim, 1),
+                    offset_bytes=v_base,
+                )
+            )
+        return tuple(views)
+
+
+@dataclass(frozen=True)
+class MlaSpec:
+    """DeepSeek-style compressed KV: one latent row (kv_lora_rank + rope dim) per token per layer.
+
+    Laid out exactly as an MHA pool with one head of ``kv_lora_rank +
+    qk_rope_head_dim`` and no V block, which is how SGLang stores MLA pages.
+    """
+
+    layer_num: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+
+    kind = PoolKind.MLA
+
+    def __post_init__(self) -> None:
+        for name in ("layer_num", "kv_lora_rank", "page_size", "num_pages"):
+            _positive(name, getattr(self, name))
+        _non_negative("qk_rope_head_dim", self.qk_rope_head_dim)
+        torch_dtype(self.dtype)
+
+    @property
+    def latent_dim(self) -> int:
+        """Elements of one latent row: ``kv_lora_rank + qk_rope_head_dim``."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's latent row in one layer."""
+        return self.latent_dim * itemsize(self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot across all layers."""
+        return self.layer_num * self.row_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: ``page_size`` slots of every layer."""
+        return self.page_size * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def alignment(self) -> int:
+        """The byte alignment the pool's anchor must have."""
+        return itemsize(self.dtype)
+
+    def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
+        """Per-layer latent views ``(num_pages, page_size, 1, latent_dim)``."""
+        size = itemsize(self.dtype)
+        return tuple(
+            ViewSpec(
+                role=ViewRole.LATENT,
+                index=layer,
+                dtype=self.dtype,
+                shape=(self.num_pages, self.page_size, 1, self.latent_dim),
+                stride=(self.page_bytes // size, self.row_bytes // size, self.latent_dim, 1),
+                offset_bytes=anchor_bytes + layer * self.page_size * self.row_bytes,
+            )
+            for layer in range(self.layer_num)
+        )
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Mamba-like recurrent state: conv states and a temporal (SSM) state per slot.
+
+    Slot-granular: ``page_size`` is always 1 and a page is one request's slot.
+    """
+
+    layer_num: int
+    conv_state_shapes: tuple[tuple[int, ...], ...]
+    conv_dtype: str
+    temporal_state_shape: tuple[int, ...]
+    temporal_dtype: str
+    num_slots: int
+
+    kind = PoolKind.MAMBA
+
+    def __post_init__(self) -> None:
+        _positive("layer_num", self.layer_num)
+        _positive("num_slots", self.num_slots)
+        if not isinstance(self.conv_state_shapes, (tuple, list)) or not self.conv_state_shapes:
+            raise InvalidSpecError(
+                f"conv_state_shapes={self.conv_state_shapes!r} must be a non-empty list of shapes"
+            )
+        shapes = tuple(
+            _shape(f"conv_state_shapes[{i}]", s) for i, s in enumerate(self.conv_state_shapes)
+        )
+        object.__setattr__(self, "conv_state_shapes", shapes)
+        object.__setattr__(
+            self, "temporal_state_shape", _shape("temporal_state_shape", self.temporal_state_shape)
+        )
+        torch_dtype(self.conv_dtype, field="conv_dtype")
+        torch_dtype(self.temporal_dtype, field="temporal_dtype")
+        for name, size in (
+            ("conv_dtype", itemsize(self.conv_dtype)),
+            ("temporal_dtype", itemsize(self.temporal_dtype)),
+        ):
+            if self.slot_bytes % size:
+                raise InvalidSpecError(
+                    f"misaligned mamba spec: slot_bytes={self.slot_bytes} is not a multiple of "
+                    f"the {name} itemsize {size}"
+                )
+        if self._temporal_offset % itemsize(self.temporal_dtype):
+            raise InvalidSpecError(
+                f"misaligned mamba spec: the temporal region starts at byte "
+                f"{self._temporal_offset} of a slot, not a multiple of the temporal_dtype "
+                f"itemsize {itemsize(self.temporal_dtype)}"
+            )
+
+    @property
+    def page_size(self) -> int:
+        """Always 1: Mamba state is per request slot."""
+        return 1
+
+    @property
+    def num_pages(self) -> int:
+        """A slot is a page."""
+        return self.num_slots
+
+    @property
+    def _conv_bytes(self) -> tuple[int, ...]:
+        return tuple(math.prod(s) * itemsize(self.conv_dtype) for s in self.conv_state_shapes)
+
+    @property
+    def _temporal_offset(self) -> int:
+        return self.layer_num * sum(self._conv_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot across all layers, conv and temporal."""
+        temporal = math.prod(self.temporal_state_shape) * itemsize(self.temporal_dtype)
+        return self._temporal_offset + self.layer_num * temporal
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page (one slot)."""
+        return self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def alignment(self) -> int:
+        """The byte alignment the pool's anchor must have (both dtypes)."""
+        return math.lcm(itemsize(self.conv_dtype), itemsize(self.temporal_dtype))
+
+    def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
+        """One view per conv state, then the temporal view, each ``(layers, slots, *inner)``."""
+        views = []
+        offset = 0
+        conv_size = itemsize(self.conv_dtype)
+        for i, (shape, nbytes) in enumerate(zip(self.conv_state_shapes, self._conv_bytes)):
+            views.append(
+                ViewSpec(
+                    role=ViewRole.CONV,
+                    index=i,
+                    dtype=self.conv_dtype,
+                    shape=(self.layer_num, self.num_slots, *shape),
+                    stride=(nbytes // conv_size, self.slot_bytes // conv_size)
+                    + _contiguous_strides(shape),
+                    offset_bytes=anchor_bytes + offset,
+                )
+            )
+            offset += self.layer_num * nbytes
+        size = itemsize(self.temporal_dtype)
+        shape = self.temporal_state_shape
+        views.append(
+            ViewSpec(
+                role=ViewRole.TEMPORAL,
+                index=0,
+                dtype=self.temporal_dtype,
+                shape=(self.layer_num, self.num_slots, *shape),
+                stride=(math.prod(shape), self.slot_bytes // size) + _contiguous_strides(shape),
+                offset_bytes=anchor_bytes + offset,
+            )
+        )
+        return tuple(views)
+
+
+PoolSpec = Union[MhaSpec, MlaSpec, MambaSpec]
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """One strided tensor view over a raw byte buffer: what ``torch.as_strided`` needs."""
+
+    role: ViewRole
+    index: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset_bytes: int
+
+    def __post_init__(self) -> None:
+        size = itemsize(self.dtype)
+        if self.offset_bytes % size:
+            raise InvalidSpecError(
+                f"view {self.role.value}[{self.index}] offset_bytes={self.offset_bytes} is not a "
+                f"multiple of its {self.dtype} itemsize {size}"
+            )
+        if len(self.shape) != len(self.stride):
+            raise InvalidSpecError(
+                f"view {self.role.value}[{self.index}] has shape {self.shape} but strides "
+                f"{self.stride}; expected one stride per dimension"
+            )
+
+    @property
+    def end_bytes(self) -> int:
+        """One past the last byte this view can touch."""
+        size = itemsize(self.dtype)
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return self.offset_bytes + (last + 1) * size
+
+    def build(self, raw: torch.Tensor) -> torch.Tensor:
+        """The view over ``raw`` (a 1-D uint8 tensor), sharing its memory."""
+        typed = raw.view(torch_dtype(self.dtype))
+        return torch.as_strided(
+            typed,
+            size=self.shape,
+            stride=self.stride,
+            storage_offset=self.offset_bytes // itemsize(self.dtype),
+        )
+
+
+@dataclass(frozen=True)
+class PoolViews:
+    """The tensors an engine reads and writes; which fields are filled depends on the kind.
+
+    MHA: ``k[layer]``, ``v[layer]`` of shape (num_pages, page_size, heads, dim).
+    MLA: ``latent[layer]`` of shape (num_pages, page_size, 1, latent_dim).
+    Mamba: ``conv[i]`` and ``temporal`` of shape (layers, slots, *inner).
+    """
+
+    k: tuple[torch.Tensor, ...] = ()
+    v: tuple[torch.Tensor, ...] = ()
+    latent: tuple[torch.Tensor, ...] = ()
+    conv: tuple[torch.Tensor, ...] = ()
+    temporal: torch.Tensor | None = None
+
+
+def build_views(raw: torch.Tensor, views: tuple[ViewSpec, ...]) -> PoolViews:
+    """Build every view of ``views`` over ``raw``; raises InvalidSpecError if one does not fit."""
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise InvalidSpecError(
+            f"raw buffer must be a 1-D uint8 tensor, got dtype={raw.dtype} dim={raw.dim()}"
+        )
+    by_role: dict[ViewRole, list[torch.Tensor]] = {role: [] for role in ViewRole}
+    for spec in views:
+        if spec.end_bytes > raw.numel():
+            raise InvalidSpecError(
+                f"view {spec.role.value}[{spec.index}] reaches byte {spec.end_bytes} but the "
+                f"buffer has {raw.numel()} bytes"
+            )
+        by_role[spec.role].append(spec.build(raw))
+    temporal = by_role[ViewRole.TEMPORAL]
+    return PoolViews(
+        k=tuple(by_role[ViewRole.K]),
+        v=tuple(by_role[ViewRole.V]),
+        latent=tuple(by_role[ViewRole.LATENT]),
+        conv=tuple(by_role[ViewRole.CONV]),
+        temporal=temporal[0] if temporal else None,
+    )
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """A pool spec placed at ``anchor_bytes`` of a raw buffer."""
+
+    spec: PoolSpec
+    anchor_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        _non_negative("anchor_bytes", self.anchor_bytes)
+        if self.anchor_bytes % self.spec.alignment:
+            raise InvalidSpecError(
+                f"anchor_bytes={self.anchor_bytes} is misaligned; expected a multiple of "
+                f"{self.spec.alignment} for this pool's dtype"
+            )
+
+    @property
+    def kind(self) -> PoolKind:
+        """What the pool stores."""
+        return self.spec.kind
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page."""
+        return self.spec.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self.spec.num_pages
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the pool's region."""
+        return self.spec.total_bytes
+
+    @property
+    def end_bytes(self) -> int:
+        """One past the pool's last byte in the raw buffer."""
+        return self.anchor_bytes + self.total_bytes
+
+    def page_offset(self, page: int) -> int:
+        """Byte offset of ``page`` in the raw buffer."""
+        return self.anchor_bytes + page * self.page_bytes
+
+    def view_specs(self) -> tuple[ViewSpec, ...]:
+        """The views of this pool, with offsets from the start of the raw buffer."""
+        return self.spec.view_specs(self.anchor_bytes)
+
+    def check_fits(self, buffer_bytes: int) -> None:
+        """Raise InvalidSpecError unless the pool's region fits a buffer of ``buffer_bytes``."""
+        if self.end_bytes > buffer_bytes:
+            raise InvalidSpecError(
+                f"pool needs bytes [{self.anchor_bytes}, {self.end_bytes}) but the buffer has "
+                f"{buffer_bytes} bytes"
+            )
+
+    def build_views(self, raw: torch.Tensor) -> PoolViews:
+        """Per-layer views of this pool over ``raw``."""
+        self.check_fits(raw.numel())
+        return build_views(raw, self.view_specs())
+
+
+def pack_arena(specs: list[PoolSpec], alignment: int = 4096) -> tuple[list[PoolLayout], int]:
+    """Place several pools one after another in one buffer (a hybrid model's arena).
+
+    Each anchor is rounded up to ``alignment`` bytes (page-aligned by default, so
+    every region starts on its own OS page). Returns the layouts and the buffer size.
+    """
+    _positive("alignment", alignment)
+    layouts = []
+    offset = 0
+    for spec in specs:
+        align = math.lcm(alignment, spec.alignment)
+        offset = -(-offset // align) * align
+        layouts.append(PoolLayout(spec, offset))
+        offset += spec.total_bytes
+    return layouts, offset

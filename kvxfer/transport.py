@@ -1,0 +1,255 @@
+"""The UCX data plane: one worker, driven by one thread, moving tagged messages.
+
+``UcxEngine`` owns a UCX context, worker and listener and runs them from a
+single thread (UCX workers are not thread-safe, and on 2 cores one progress
+thread is all we can afford). Other threads, such as the daemon's asyncio loop,
+submit sends and receives and get ``concurrent.futures.Future`` objects back.
+
+The thread polls the worker while requests are in flight (the fast path) and
+sleeps on the worker's event fd when idle, so an idle daemon costs no CPU.
+
+Data only ever flows from an endpoint's creator to the listener's owner: a
+sender connects to the receiver's listener; the receiver posts worker-level
+tag receives straight into its pool memory. Tags are chosen by the receiver,
+unique for its lifetime, so a late message of one transfer can never match a
+receive posted by another.
+
+ucxx is imported lazily: importing kvxfer does not load UCX.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kvxfer.errors import PeerUnavailableError
+
+log = logging.getLogger("kvxfer.transport")
+
+#: Settings that make UCX fast on loopback tcp and shared memory (see the README).
+UCX_DEFAULTS = {
+    "UCX_RNDV_SCHEME": "put_zcopy",
+    "UCX_RNDV_THRESH": "32K",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+
+def apply_ucx_defaults() -> None:
+    """Set kvxfer's UCX defaults unless the operator already set them. Call before UCX loads."""
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+@dataclass(frozen=True)
+class EndpointId:
+    """A connection from this engine to a peer's listener."""
+
+    number: int
+    host: str
+    port: int
+
+
+class UcxEngine:
+    """A UCX worker and listener served by one progress thread.
+
+    Contract: every method is thread-safe and returns without waiting on the
+    network, except ``connect`` and ``close`` which wait for the thread.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, error_handling: bool = False):
+        apply_ucx_defaults()
+        from ucxx._lib import libucxx as ucx_api
+
+        self._api = ucx_api
+        self._host = host
+        self._error_handling = error_handling
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._inflight: list[tuple[Any, Future[None], Any]] = []
+        self._endpoints: dict[int, Any] = {}
+        self._accepted: list[Any] = []
+        self._next_ep = 0
+        self._stopping = False
+        ready: Future[int] = Future()
+        self._thread = threading.Thread(
+            target=self._run, args=(port, ready), name="kvxfer-ucx", daemon=True
+        )
+        self._thread.start()
+        self.port = ready.result(timeout=30)
+
+    @property
+    def host(self) -> str:
+        """The address the listener was asked to serve (peers connect here)."""
+        return self._host
+
+    # -- public API (any thread) -------------------------------------------------
+
+    def connect(self, host: str, port: int, timeout: float = 10.0) -> EndpointId:
+        """Open an endpoint to a peer engine's listener."""
+        return self._call(lambda: self._connect(host, port)).result(timeout=timeout)
+
+    def send(self, endpoint: EndpointId, buffer: Any, tag: int) -> Future[None]:
+        """Send ``buffer`` (host or CUDA memory) as one tagged message."""
+        fut: Future[None] = Future()
+        self._submit(lambda: self._start(fut, buffer, lambda arr: self._ep(endpoint).tag_send(arr, tag=self._api.UCXXTag(tag))))
+        return fut
+
+    def recv(self, buffer: Any, tag: int) -> Future[None]:
+        """Receive the message tagged ``tag`` straight into ``buffer``."""
+        fut: Future[None] = Future()
+        self._submit(lambda: self._start(fut, buffer, lambda arr: self._worker.tag_recv(arr, tag=self._api.UCXXTag(tag))))
+        return fut
+
+    def close_endpoint(self, endpoint: EndpointId) -> None:
+        """Close an endpoint (its unfinished sends fail); safe to call twice."""
+        self._submit(lambda: self._close_ep(endpoint.number))
+
+    def inflight(self) -> int:
+        """Requests submitted and not yet complete (a leak check for tests and metrics)."""
+        return len(self._inflight)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and release UCX resources; unfinished requests fail."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake()
+        self._thread.join(timeout)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the progress thread -----------------------------------------------------
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.put(command)
+        self._wake()
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+                fut.set_exception(exc)
+
+        self._submit(run)
+        return fut
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _run(self, port: int, ready: Future[int]) -> None:
+        api = self._api
+        try:
+            self._context = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
+            self._worker = api.UCXWorker(self._context)
+            self._worker.init_blocking_progress_mode()
+            self._listener = api.UCXListener.create(
+                worker=self._worker, port=port, cb_func=self._on_connect
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported to the constructor
+            ready.set_exception(exc)
+            return
+        ready.set_result(self._listener.port)
+        epoll_fd = self._worker.epoll_file_descriptor
+        while not self._stopping:
+            self._drain_commands()
+            self._worker.progress()
+            if self._inflight:
+                self._reap()
+                continue
+            if self._worker.arm() and self._commands.empty():
+                select.select([epoll_fd, self._wake_r], [], [], 0.5)
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        self._shutdown()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _reap(self) -> None:
+        still = []
+        for request, fut, keep in self._inflight:
+            if not request.completed:
+                still.append((request, fut, keep))
+                continue
+            try:
+                request.check_error()
+            except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+                fut.set_exception(PeerUnavailableError(f"UCX request failed: {exc}"))
+            else:
+                fut.set_result(None)
+        self._inflight = still
+
+    def _start(self, fut: Future[None], buffer: Any, post: Callable[[Any], Any]) -> None:
+        if fut.cancelled():
+            return
+        try:
+            array = self._api_array(buffer)
+            request = post(array)
+        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+            fut.set_exception(PeerUnavailableError(f"UCX request could not start: {exc}"))
+            return
+        self._inflight.append((request, fut, (array, buffer)))
+
+    def _api_array(self, buffer: Any) -> Any:
+        from ucxx._lib.arr import Array
+
+        return Array(buffer)
+
+    def _ep(self, endpoint: EndpointId) -> Any:
+        try:
+            return self._endpoints[endpoint.number]
+        except KeyError:
+            raise PeerUnavailableError(
+                f"endpoint to {endpoint.host}:{endpoint.port} is closed"
+            ) from None
+
+    def _connect(self, host: str, port: int) -> EndpointId:
+        ep = self._api.UCXEndpoint.create(self._worker, host, port, self._error_handling)
+        self._next_ep += 1
+        self._endpoints[self._next_ep] = ep
+        log.debug("connected UCX endpoint %d to %s:%d", self._next_ep, host, port)
+        return EndpointId(self._next_ep, host, port)
+
+    def _close_ep(self, number: int) -> None:
+        ep = self._endpoints.pop(number, None)
+        if ep is not None:
+            ep.close()
+
+    def _on_connect(self, conn_request: Any) -> None:
+        ep = self._listener.create_endpoint_from_conn_request(conn_request, self._error_handling)
+        self._accepted.append(ep)
+
+    def _shutdown(self) -> None:
+        for number in list(self._endpoints):
+            self._close_ep(number)
+        for ep in self._accepted:
+            ep.close()
+        self._accepted.clear()
+        for _, fut, _ in self._inflight:
+            if not fut.done():
+                fut.set_exception(PeerUnavailableError("the UCX engine is shutting down"))
+        self._inflight.clear()
+        self._worker.cancel_inflight_requests()
+        del self._listener
+        del self._worker
+        del self._context

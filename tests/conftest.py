@@ -1,0 +1,42 @@
+"""Shared fixtures: the reference layout module, and hypothesis settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "kvxfer", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile("kvxfer")
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _find_reference() -> Path | None:
+    candidates = [os.environ.get("KVXFER_REFERENCE_LAYOUT", "")]
+    candidates += [str(p / "shared/reference/page_major.py") for p in (REPO, REPO.parent)]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return Path(c)
+    return None
+
+
+@pytest.fixture(scope="session")
+def reference() -> ModuleType:
+    """SGLang's page-major layout (shared/reference/page_major.py), the spec we must match."""
+    path = _find_reference()
+    if path is None:
+        pytest.skip("shared/reference/page_major.py not found; set KVXFER_REFERENCE_LAYOUT")
+    spec = importlib.util.spec_from_file_location("page_major_reference", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
