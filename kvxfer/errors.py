@@ -58,3 +58,47 @@ class IntegrityError(KvxferError):
 
 class AttachError(KvxferError):
     """A worker could not map the daemon's pool memory."""
+
+
+#: The gRPC status code (by name) each error crosses the wire as. The daemon's
+#: boundary turns the name into ``grpc.StatusCode``; clients turn it back.
+STATUS_NAMES: dict[type[KvxferError], str] = {
+    InvalidSpecError: "INVALID_ARGUMENT",
+    PageOutOfRangeError: "OUT_OF_RANGE",
+    InvalidRangeError: "INVALID_ARGUMENT",
+    IncompatibleLayoutError: "FAILED_PRECONDITION",
+    PoolNotFoundError: "NOT_FOUND",
+    TransferNotFoundError: "NOT_FOUND",
+    TransferExistsError: "ALREADY_EXISTS",
+    PeerUnavailableError: "UNAVAILABLE",
+    TransferDeadlineError: "DEADLINE_EXCEEDED",
+    TransferAbortedError: "ABORTED",
+    IntegrityError: "DATA_LOSS",
+    AttachError: "FAILED_PRECONDITION",
+}
+
+_BY_NAME: dict[str, type[KvxferError]] = {
+    "INVALID_ARGUMENT": InvalidRangeError,
+    "OUT_OF_RANGE": PageOutOfRangeError,
+    "FAILED_PRECONDITION": IncompatibleLayoutError,
+    "NOT_FOUND": PoolNotFoundError,
+    "ALREADY_EXISTS": TransferExistsError,
+    "UNAVAILABLE": PeerUnavailableError,
+    "DEADLINE_EXCEEDED": TransferDeadlineError,
+    "ABORTED": TransferAbortedError,
+    "CANCELLED": TransferAbortedError,
+    "DATA_LOSS": IntegrityError,
+}
+
+
+def status_name(exc: BaseException) -> str:
+    """The gRPC status code name for ``exc`` (INTERNAL for anything unexpected)."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS_NAMES:
+            return STATUS_NAMES[cls]
+    return "INTERNAL"
+
+
+def error_for_status(name: str, message: str) -> KvxferError:
+    """The kvxfer error a gRPC status code name stands for (for errors that crossed the wire)."""
+    return _BY_NAME.get(name, KvxferError)(message)

@@ -75,6 +75,7 @@ class UcxEngine:
         self._inflight: list[tuple[Any, Future[None], Any]] = []
         self._endpoints: dict[int, Any] = {}
         self._accepted: list[Any] = []
+        self._abandoned: list[tuple[Any, Future[None], Any]] = []
         self._next_ep = 0
         self._stopping = False
         ready: Future[int] = Future()
@@ -110,6 +111,16 @@ class UcxEngine:
     def close_endpoint(self, endpoint: EndpointId) -> None:
         """Close an endpoint (its unfinished sends fail); safe to call twice."""
         self._submit(lambda: self._close_ep(endpoint.number))
+
+    def abandon(self, futures: list[Future[None]], reason: str) -> None:
+        """Fail ``futures`` now and stop tracking their requests.
+
+        For requests that will never complete because the peer is gone (without
+        UCX error handling a dead peer's requests just stay pending). Their
+        receives stay posted under tags nobody will send again.
+        """
+        pending = {id(f) for f in futures}
+        self._submit(lambda: self._abandon(pending, reason))
 
     def inflight(self) -> int:
         """Requests submitted and not yet complete (a leak check for tests and metrics)."""
@@ -209,6 +220,17 @@ class UcxEngine:
             fut.set_exception(PeerUnavailableError(f"UCX request could not start: {exc}"))
             return
         self._inflight.append((request, fut, (array, buffer)))
+
+    def _abandon(self, pending: set[int], reason: str) -> None:
+        still = []
+        for entry in self._inflight:
+            if id(entry[1]) in pending:
+                if not entry[1].done():
+                    entry[1].set_exception(PeerUnavailableError(reason))
+                self._abandoned.append(entry)
+            else:
+                still.append(entry)
+        self._inflight = still
 
     def _api_array(self, buffer: Any) -> Any:
         from ucxx._lib.arr import Array

@@ -344,18 +344,20 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, transfers: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools")
+    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools", "peer_address")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_HOST_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
     UCX_ERROR_HANDLING_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ucx_host: str
     ucx_port: int
     ucx_error_handling: bool
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
-    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ...) -> None: ...
+    peer_address: str
+    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., peer_address: _Optional[str] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
     __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools")

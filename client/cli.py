@@ -1,0 +1,215 @@
+"""The ``kvxfer`` command line: run a daemon, inspect it, load-test it, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvxfer.errors import KvxferError
+
+DEFAULT_ADDRESS = "unix:///run/kvxfer/kvxfer.sock"
+console = Console()
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from kvxfer.client.library import KvxferClient
+
+    return KvxferClient(args.address, timeout_s=args.timeout)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvxfer.server.config import load_config
+    from kvxfer.server.daemon import run
+
+    overrides = {
+        "worker_address": args.worker_address, "peer_address": args.peer_address,
+        "advertise_address": args.advertise_address, "ucx_host": args.ucx_host,
+        "ucx_port": args.ucx_port, "ucx_error_handling": args.ucx_error_handling,
+        "chunk_bytes": args.chunk_bytes, "grace_s": args.grace, "metrics_port": args.metrics_port,
+        "shm_dir": args.shm_dir,
+    }
+    config = load_config(args.config, overrides, args.pool, args.device)
+    return run(config, args.ready_file)
+
+
+def cmd_pools(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        pools = kv.pools()
+    if args.json:
+        print(json.dumps([_descriptor_dict(d, m) for d, m in pools], indent=2))
+        return 0
+    table = Table(title=f"pools at {args.address}")
+    for col in ("pool", "kind", "device", "pages", "page_bytes", "anchor", "arena"):
+        table.add_column(col)
+    for d, m in pools:
+        table.add_row(d.name, d.kind.value, m.device, str(d.num_pages), str(d.page_bytes),
+                      str(d.layout.anchor_bytes), m.arena)
+    console.print(table)
+    return 0
+
+
+def _descriptor_dict(d: Any, memory: Any) -> dict[str, Any]:
+    return {
+        "name": d.name, "kind": d.kind.value, "device": memory.device, "arena": memory.arena,
+        "anchor_bytes": d.layout.anchor_bytes, "page_bytes": d.page_bytes,
+        "num_pages": d.num_pages, "page_size": d.spec.page_size,
+        "spec": {k: v for k, v in d.spec.__dict__.items()},
+        "views": [{"role": v.role.value, "index": v.index, "dtype": v.dtype, "shape": list(v.shape),
+                   "stride": list(v.stride), "offset_bytes": v.offset_bytes} for v in d.views],
+    }
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        d, m = kv.describe(args.pool)
+    info = _descriptor_dict(d, m)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    console.print(f"[bold]{d.name}[/]: {d.kind.value} on {m.device}, {d.num_pages} pages x "
+                  f"{d.page_bytes} B, anchor {d.layout.anchor_bytes} in arena {m.arena}")
+    console.print(f"spec: {info['spec']}")
+    table = Table()
+    for col in ("view", "dtype", "shape", "stride (elements)", "offset_bytes"):
+        table.add_column(col)
+    for v in d.views:
+        table.add_row(f"{v.role.value}[{v.index}]", v.dtype, str(v.shape), str(v.stride),
+                      str(v.offset_bytes))
+    console.print(table)
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        status = kv.health()
+    print(json.dumps({"address": args.address, "status": status}) if args.json else status)
+    return 0 if status == "SERVING" else 1
+
+
+def cmd_transfers(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        transfers = kv.transfers()
+    if args.json:
+        print(json.dumps([t.as_dict() for t in transfers], indent=2))
+        return 0
+    table = Table(title=f"transfers at {args.address}")
+    for col in ("id", "role", "state", "pool", "peer", "pages", "bytes", "seconds", "error"):
+        table.add_column(col)
+    for t in transfers:
+        table.add_row(t.transfer_id, t.role.name, t.state.name, t.pool, t.peer, str(t.pages),
+                      str(t.bytes), f"{t.seconds:.3f}", t.error[:60])
+    console.print(table)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvxfer.client.bench import run_bench
+
+    return run_bench(args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvxfer.client.demo import run_demo
+
+    return run_demo(args)
+
+
+EXAMPLES = {
+    "serve": "kvxfer serve --pool kv=llama8b --peer-address 0.0.0.0:7500 \\\n"
+             "      --advertise-address $(hostname -i):7500 --ucx-host $(hostname -i)\n"
+             "  kvxfer serve --config /etc/kvxfer/daemon.yaml",
+    "pools": "kvxfer pools --address unix:///run/kvxfer/kvxfer.sock",
+    "describe": "kvxfer describe kv --json",
+    "health": "kvxfer health --address 127.0.0.1:7501",
+    "transfers": "kvxfer transfers --json",
+    "bench": "kvxfer bench --spawn --preset llama8b --pages 128 --transfers 20 --verify\n"
+             "  kvxfer bench --prefill unix:///run/a.sock --decode unix:///run/b.sock "
+             "--decode-peer 10.0.0.2:7500 --json",
+    "demo": "kvxfer demo\n  kvxfer demo --model hybrid",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvxfer",
+        description="kvxfer moves page-major KV caches between prefill and decode daemons: "
+                    "run the daemon, inspect it, load-test it.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str, func: Any) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_,
+                           epilog=f"example:\n  {EXAMPLES[name]}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.set_defaults(func=func)
+        return p
+
+    def add_daemon_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", default=DEFAULT_ADDRESS,
+                       help=f"the daemon's worker address (default {DEFAULT_ADDRESS})")
+        p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    s = add("serve", "Run a kvxfer daemon that owns KV pools and serves them over gRPC.", cmd_serve)
+    s.add_argument("--config", help="YAML config file (pools, arenas, addresses); flags override it")
+    s.add_argument("--pool", action="append", default=[], metavar="SPEC",
+                   help="a pool: NAME=PRESET (llama8b, llama8b-ps1, tiny, mla-small, mamba-small) "
+                        "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable)")
+    s.add_argument("--device", help="device for pools without one: cpu (default) or cuda:N")
+    s.add_argument("--worker-address", help=f"address for workers on this node (default {DEFAULT_ADDRESS})")
+    s.add_argument("--peer-address", help="host:port for peer daemons (default 127.0.0.1:7500; port 0 picks one)")
+    s.add_argument("--advertise-address", help="host:port peers should use to reach us, when binding 0.0.0.0")
+    s.add_argument("--ucx-host", help="address the UCX listener is reached at (default 127.0.0.1)")
+    s.add_argument("--ucx-port", type=int, help="UCX listener port (default 0: any free port)")
+    s.add_argument("--ucx-error-handling", action="store_true", default=None,
+                   help="UCX peer error handling (slower: disables zero-copy tcp and shared memory; "
+                        "every daemon must agree)")
+    s.add_argument("--chunk-bytes", type=int, help="largest UCX message (default 4 MiB)")
+    s.add_argument("--grace", type=float, help="seconds running transfers get at shutdown (default 5)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
+    s.add_argument("--shm-dir", help="where CPU pools' shared memory lives (default /dev/shm)")
+    s.add_argument("--ready-file", help="write a JSON line with the bound addresses once serving")
+    s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+
+    for name, help_, func in (
+        ("pools", "List the pools a daemon serves.", cmd_pools),
+        ("health", "Ask a daemon for its health (exit 0 when SERVING).", cmd_health),
+        ("transfers", "List a daemon's in-flight and recent transfers.", cmd_transfers),
+    ):
+        add_daemon_flags(add(name, help_, func))
+    d = add("describe", "Show a pool's descriptor: anchor, page_bytes, per-layer shapes and strides.",
+            cmd_describe)
+    d.add_argument("pool", help="the pool's name")
+    add_daemon_flags(d)
+
+    from kvxfer.client.bench import add_bench_flags
+    from kvxfer.client.demo import add_demo_flags
+
+    add_bench_flags(add("bench", "Load-test transfers between two daemons and summarize them.",
+                        cmd_bench))
+    add_demo_flags(add("demo", "Start a prefill and a decode daemon on loopback, move KV pages "
+                               "through them, check them, and summarize.", cmd_demo))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``kvxfer`` command line."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except KvxferError as exc:
+        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The worker-side client: talk to the local daemon, attach to its pools, drive transfers.
+
+::
+
+    from kvxfer.client import KvxferClient
+    from kvxfer.pages import PageRuns
+
+    with KvxferClient("unix:///run/kvxfer/kvxfer.sock") as kv:
+        with kv.attach("kv") as pool:          # zero-copy views of the daemon's memory
+            pool.views.k[0][3].fill_(1.0)      # layer 0, page 3
+        kv.push("req-1", "kv", PageRuns.of([(3, 1)]), peer="decode-host:7500")
+        status = kv.wait("req-1", timeout_s=10)
+        assert status.ok, status.error
+
+Errors from the daemon arrive as typed ``kvxfer.errors`` exceptions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import error_for_status
+from kvxfer.layout import PoolViews
+from kvxfer.memory import Mapping, attach
+from kvxfer.pages import Extent, PageRuns
+from kvxfer.states import TransferRole, TransferState
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire import runs_to_proto
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """One side's view of a transfer, as the daemon reported it."""
+
+    transfer_id: str
+    role: TransferRole
+    state: TransferState
+    pool: str
+    peer: str
+    pages: int
+    bytes: int
+    bytes_done: int
+    extents: int
+    seconds: float
+    error_code: str
+    error: str
+    verified: bool
+
+    @property
+    def ok(self) -> bool:
+        """True when the transfer finished and every byte arrived."""
+        return self.state == TransferState.DONE
+
+    @classmethod
+    def from_proto(cls, msg: pb.TransferStatus) -> TransferInfo:
+        """Decode a ``TransferStatus`` message."""
+        return cls(
+            transfer_id=msg.transfer_id, role=TransferRole(msg.role), state=TransferState(msg.state),
+            pool=msg.pool, peer=msg.peer, pages=msg.pages, bytes=msg.bytes,
+            bytes_done=msg.bytes_done, extents=msg.extents, seconds=msg.seconds,
+            error_code=msg.error_code, error=msg.error, verified=msg.verified,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (enums by name)."""
+        out = dict(self.__dict__)
+        out["role"], out["state"] = self.role.name, self.state.name
+        return out
+
+
+class AttachedPool:
+    """A pool of the daemon mapped into this process, with its per-layer views."""
+
+    __slots__ = ("descriptor", "memory", "views", "_mapping")
+
+    def __init__(self, descriptor: PoolDescriptor, memory: pb.MemoryHandle) -> None:
+        self.descriptor = descriptor
+        self.memory = memory
+        self._mapping: Mapping | None = attach(memory)
+        self.views: PoolViews = descriptor.build_views(self._mapping.raw)
+
+    @property
+    def raw(self) -> Any:
+        """The whole arena buffer as a uint8 tensor (shared with the daemon)."""
+        if self._mapping is None:
+            raise RuntimeError("pool is detached")
+        return self._mapping.raw
+
+    def page_bytes_view(self, page: int) -> Any:
+        """One page as a uint8 tensor over the shared memory."""
+        start = self.descriptor.layout.page_offset(page)
+        return self.raw[start : start + self.descriptor.page_bytes]
+
+    def detach(self) -> None:
+        """Drop the views and unmap the memory."""
+        self.views = PoolViews()
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+    def __enter__(self) -> AttachedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __repr__(self) -> str:
+        state = "attached" if self._mapping is not None else "detached"
+        return (f"AttachedPool({self.descriptor.name!r}, {self.descriptor.kind.value}, "
+                f"{self.descriptor.num_pages} pages x {self.descriptor.page_bytes} B, {state})")
+
+
+class KvxferClient:
+    """A synchronous client of one daemon's worker API (``unix://...`` or ``host:port``)."""
+
+    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.KvxferStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        try:
+            return method(request, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_for_status(exc.code().name, exc.details() or str(exc)) from None
+
+    # -- pools --------------------------------------------------------------------
+
+    def pools(self) -> list[tuple[PoolDescriptor, pb.MemoryHandle]]:
+        """Every pool the daemon serves, with the handle to attach to its memory."""
+        reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
+        return [(PoolDescriptor.from_proto(p.descriptor), p.memory) for p in reply.pools]
+
+    def describe(self, pool: str) -> tuple[PoolDescriptor, pb.MemoryHandle]:
+        """One pool's descriptor and memory handle."""
+        reply = self._call(self._stub.DescribePool, pb.DescribePoolRequest(pool=pool))
+        return PoolDescriptor.from_proto(reply.descriptor), reply.memory
+
+    def describe_pages(self, pool: str, runs: PageRuns) -> list[Extent]:
+        """The byte extents (offsets in the arena) of ``runs``."""
+        reply = self._call(self._stub.DescribePages,
+                           pb.DescribePagesRequest(pool=pool, runs=runs_to_proto(runs)))
+        return [Extent(e.src_offset, e.dst_offset, e.nbytes) for e in reply.extents]
+
+    def attach(self, pool: str) -> AttachedPool:
+        """Map ``pool``'s memory and build its views (same node only)."""
+        descriptor, memory = self.describe(pool)
+        return AttachedPool(descriptor, memory)
+
+    def health(self, service: str = "") -> str:
+        """The daemon's health status name (SERVING, NOT_SERVING, ...)."""
+        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    # -- transfers --------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
+               timeout_s: float = 0.0) -> TransferInfo:
+        """Register destination pages for ``transfer_id`` (decode side)."""
+        req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
+                               dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
+        return TransferInfo.from_proto(self._call(self._stub.Expect, req))
+
+    def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
+             timeout_s: float = 0.0, verify: bool = False) -> TransferInfo:
+        """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side)."""
+        req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
+                             peer=peer, timeout_s=timeout_s, verify=verify)
+        return TransferInfo.from_proto(self._call(self._stub.Push, req))
+
+    def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
+              verify: bool = False) -> TransferInfo:
+        """Make ``src_runs`` available for a peer's pull (prefill side)."""
+        req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
+                              timeout_s=timeout_s, verify=verify)
+        return TransferInfo.from_proto(self._call(self._stub.Offer, req))
+
+    def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
+             timeout_s: float = 0.0) -> TransferInfo:
+        """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side)."""
+        req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
+                             dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
+        return TransferInfo.from_proto(self._call(self._stub.Pull, req))
+
+    def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:
+        """Block until ``transfer_id`` is final; its state says how it ended."""
+        req = pb.WaitRequest(transfer_id=transfer_id, timeout_s=timeout_s)
+        return TransferInfo.from_proto(self._call(self._stub.Wait, req, timeout=timeout_s + 5))
+
+    def abort(self, transfer_id: str, reason: str = "") -> TransferInfo:
+        """End ``transfer_id`` on both sides."""
+        req = pb.AbortRequest(transfer_id=transfer_id, reason=reason)
+        return TransferInfo.from_proto(self._call(self._stub.Abort, req))
+
+    def transfers(self) -> list[TransferInfo]:
+        """In-flight and recent transfers, oldest first."""
+        reply = self._call(self._stub.ListTransfers, pb.ListTransfersRequest())
+        return [TransferInfo.from_proto(t) for t in reply.transfers]
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+    def __enter__(self) -> KvxferClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,93 @@
+"""Start and stop local daemons as subprocesses (for the demo, ``bench --spawn`` and tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+
+class LocalDaemon:
+    """A ``kvxfer serve`` subprocess on loopback; a context manager that always stops it."""
+
+    def __init__(self, name: str, pool_flags: list[str], *, workdir: str | None = None,
+                 env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 log_level: str = "warning") -> None:
+        self.name = name
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"kvxfer-{name}-") if workdir is None else None
+        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._ready = self.workdir / f"{name}.ready.json"
+        self.log_path = self.workdir / f"{name}.log"
+        self.args = [
+            sys.executable, "-m", "kvxfer.client.cli", "serve",
+            "--worker-address", f"unix://{self.workdir / (name + '.sock')}",
+            "--peer-address", "127.0.0.1:0", "--ucx-host", "127.0.0.1",
+            "--ready-file", str(self._ready), "--log-level", log_level,
+            *[a for p in pool_flags for a in ("--pool", p)], *(extra_args or []),
+        ]
+        self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.worker_address = ""
+        self.peer_address = ""
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    def start(self, timeout_s: float = 60.0) -> LocalDaemon:
+        """Start the daemon and wait until it serves (or raise with its log)."""
+        self._ready.unlink(missing_ok=True)
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.exists():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon {self.name} exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise TimeoutError(f"daemon {self.name} not ready after {timeout_s}s:\n{self.log()}")
+            time.sleep(0.05)
+        info = json.loads(self._ready.read_text())
+        self.worker_address, self.peer_address = info["worker_address"], info["peer_address"]
+        return self
+
+    def log(self) -> str:
+        """What the daemon printed so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code."""
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the daemon and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+    def __enter__(self) -> LocalDaemon:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()

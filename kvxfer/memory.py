@@ -1,0 +1,164 @@
+"""Raw pool memory that two processes on one node can map: shared memory or CUDA IPC.
+
+The daemon *owns* an ``Arena`` (one raw ``uint8`` buffer that holds one or more
+pools); a worker *attaches* to it from the ``MemoryHandle`` the daemon
+advertises and gets a tensor over the very same bytes (zero copy).
+
+- CPU: a file in ``/dev/shm`` (owner-only permissions), mapped with mmap. The
+  daemon unlinks it on close, so no file outlives the daemon.
+- CUDA: ``torch.empty`` on the device, shared with CUDA IPC handles, the same
+  mechanism ``torch.multiprocessing`` uses.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvxfer.errors import AttachError, InvalidSpecError
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+
+@dataclass
+class Arena:
+    """One raw buffer owned by this process; close() releases it (and its shm file)."""
+
+    name: str
+    device: str
+    raw: torch.Tensor
+    handle: pb.MemoryHandle
+    _mmap: mmap.mmap | None = None
+    _path: Path | None = None
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of the buffer."""
+        return self.raw.numel()
+
+    def buffer(self, offset: int, nbytes: int) -> Any:
+        """An object UCX can send from or receive into: ``nbytes`` at ``offset``, zero copy."""
+        piece = self.raw[offset : offset + nbytes]
+        return piece.numpy() if piece.device.type == "cpu" else piece
+
+    def close(self) -> None:
+        """Release the memory; the shm file is unlinked first so it never outlives us."""
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)
+            self._path = None
+        self.raw = torch.empty(0, dtype=torch.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # views are still referenced; the mapping goes when they do
+            self._mmap = None
+
+
+def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/shm") -> Arena:
+    """Allocate a zeroed buffer of ``size_bytes`` on ``device`` ("cpu" or "cuda:N")."""
+    if size_bytes <= 0:
+        raise InvalidSpecError(f"arena {name!r} size_bytes={size_bytes} must be positive")
+    if device == "cpu":
+        return _create_shm(name, size_bytes, shm_dir)
+    if device.startswith("cuda"):
+        return _create_cuda(name, size_bytes, device)
+    raise InvalidSpecError(f"device={device!r} is not supported; expected 'cpu' or 'cuda:N'")
+
+
+def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
+    path = Path(shm_dir) / f"kvxfer-{os.getpid()}-{name}-{secrets.token_hex(4)}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size_bytes)
+        mapping = mmap.mmap(fd, size_bytes)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    raw = torch.frombuffer(mapping, dtype=torch.uint8)
+    handle = pb.MemoryHandle(
+        arena=name, device="cpu", size_bytes=size_bytes, shm=pb.SharedMemory(path=str(path))
+    )
+    return Arena(name, "cpu", raw, handle, mapping, path)
+
+
+def _create_cuda(name: str, size_bytes: int, device: str) -> Arena:
+    raw = torch.zeros(size_bytes, dtype=torch.uint8, device=device)
+    storage = raw.untyped_storage()
+    (dev, handle, _size, offset, ref_handle, ref_offset, event, sync) = storage._share_cuda_()
+    ipc = pb.CudaIpc(
+        device=dev,
+        storage_handle=handle,
+        storage_offset_bytes=offset,
+        ref_counter_handle=ref_handle,
+        ref_counter_offset=ref_offset,
+        event_handle=event or b"",
+        event_sync_required=sync,
+    )
+    msg = pb.MemoryHandle(arena=name, device=device, size_bytes=size_bytes, cuda=ipc)
+    return Arena(name, device, raw, msg)
+
+
+@dataclass
+class Mapping:
+    """A worker's mapping of a daemon's arena; close() unmaps it."""
+
+    raw: torch.Tensor
+    _mmap: mmap.mmap | None = None
+
+    def close(self) -> None:
+        """Drop the mapping (views built on it must not be used afterwards)."""
+        self.raw = torch.empty(0, dtype=torch.uint8)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # the caller still holds views; the mapping goes with them
+            self._mmap = None
+
+
+def attach(handle: pb.MemoryHandle) -> Mapping:
+    """Map the buffer described by ``handle`` into this process (same node only)."""
+    kind = handle.WhichOneof("kind")
+    if kind == "shm":
+        try:
+            fd = os.open(handle.shm.path, os.O_RDWR)
+        except OSError as exc:
+            raise AttachError(
+                f"cannot open shared memory {handle.shm.path!r} of arena {handle.arena!r}: "
+                f"{exc.strerror}; the worker must run on the daemon's node and share /dev/shm"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != handle.size_bytes:
+                raise AttachError(
+                    f"shared memory {handle.shm.path!r} has {size} bytes, expected "
+                    f"{handle.size_bytes}"
+                )
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return Mapping(torch.frombuffer(mapping, dtype=torch.uint8), mapping)
+    if kind == "cuda":
+        ipc = handle.cuda
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ipc.device,
+            ipc.storage_handle,
+            handle.size_bytes,
+            ipc.storage_offset_bytes,
+            ipc.ref_counter_handle,
+            ipc.ref_counter_offset,
+            ipc.event_handle or None,
+            ipc.event_sync_required,
+        )
+        raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{ipc.device}")
+        raw.set_(storage, 0, (handle.size_bytes,), (1,))
+        return Mapping(raw)
+    raise AttachError(f"memory handle of arena {handle.arena!r} names no memory kind")

@@ -1,0 +1,597 @@
+"""Transfers: the rendezvous and state machine behind expect/push/offer/pull.
+
+Every transfer is keyed by its id (the engine's request id) and has a role on
+this daemon, a deadline, and a final state (done, failed, aborted, deadline
+exceeded) that both sides learn.
+
+Push (``expect`` on the decode daemon D, ``push`` on the prefill daemon P, in
+either order):
+
+1. P opens a session with D (``peers.PeerLinks``) and calls ``Claim``.
+2. D waits for the matching ``expect``, checks the layouts, plans the chunks,
+   posts one UCX receive per chunk straight into the destination pages and
+   answers with the tag base.
+3. P plans the same chunks, sends them from the source pages (a bounded window
+   in flight), then calls ``Commit`` with per-chunk checksums.
+4. D waits for every chunk, verifies, and answers with the final status.
+
+Pull is the same with one step before: ``pull`` on D registers the
+expectation and asks P (``RequestPush``) to push once its ``offer`` is there.
+
+Both sides chunk identically (``plan_chunks``), so chunk ``i`` is the message
+tagged ``tag_base + i``. Tag bases are unique for the receiver's lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Gauge
+
+from kvxfer.descriptor import PoolDescriptor, check_compatible
+from kvxfer.errors import (
+    IncompatibleLayoutError,
+    IntegrityError,
+    InvalidRangeError,
+    KvxferError,
+    PeerUnavailableError,
+    TransferAbortedError,
+    TransferDeadlineError,
+    TransferExistsError,
+    TransferNotFoundError,
+    error_for_status,
+    status_name,
+)
+from kvxfer.integrity import checksum
+from kvxfer.layout import PoolLayout
+from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
+from kvxfer.states import TransferRole, TransferState
+from kvxfer.transport import UcxEngine
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire import runs_from_proto, runs_to_proto
+from kvxfer.server.peers import PeerLinks
+from kvxfer.server.pools import Pool, PoolRegistry
+
+log = logging.getLogger("kvxfer.server.transfers")
+
+TRANSFERS = Counter("kvxfer_transfers", "Finished transfers", ["role", "state"])
+BYTES = Counter("kvxfer_bytes", "Bytes moved by finished transfers", ["role"])
+ACTIVE = Gauge("kvxfer_active_transfers", "Transfers not yet final", ["role"])
+
+CHUNK_BITS = 24
+#: Set on a receiving daemon (tests only) to flip one byte of every transfer it receives.
+FAULT_CORRUPT_ENV = "KVXFER_FAULT_CORRUPT_RECEIVED"
+
+
+def plan_chunks(
+    src_runs: PageRuns, src: PoolLayout, dst_runs: PageRuns, dst: PoolLayout, chunk_bytes: int
+) -> tuple[Extent, ...]:
+    """The messages of a transfer: minimal extents cut to ``chunk_bytes``. Both sides agree."""
+    extents = map_extents(
+        src_runs, dst_runs, page_bytes=src.page_bytes,
+        src_anchor=src.anchor_bytes, dst_anchor=dst.anchor_bytes,
+    )
+    chunks = split_extents(extents, chunk_bytes)
+    if len(chunks) >= 1 << CHUNK_BITS:
+        raise InvalidRangeError(
+            f"transfer needs {len(chunks)} messages; at most {(1 << CHUNK_BITS) - 1} fit a tag "
+            "space; use a larger chunk_bytes"
+        )
+    return chunks
+
+
+def _final_state(error: KvxferError) -> TransferState:
+    if isinstance(error, TransferDeadlineError):
+        return TransferState.DEADLINE_EXCEEDED
+    if isinstance(error, TransferAbortedError):
+        return TransferState.ABORTED
+    return TransferState.FAILED
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One side of one transfer."""
+
+    id: str
+    role: TransferRole
+    pool: Pool
+    runs: PageRuns
+    timeout_s: float
+    deadline: float
+    verify: bool = False
+    peer: str = ""
+    session_id: str = ""
+    state: TransferState = TransferState.WAITING
+    created_unix: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    bytes_done: int = 0
+    chunks: tuple[Extent, ...] = ()
+    error: KvxferError | None = None
+    verified: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[Any] | None = None
+    ucx_futures: list[Any] = field(default_factory=list)
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes the transfer moves."""
+        return self.runs.num_pages * self.pool.descriptor.page_bytes
+
+    def remaining(self) -> float:
+        """Seconds to the deadline (0 when past it)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def status(self) -> pb.TransferStatus:
+        """The wire form of this side's status."""
+        seconds = 0.0
+        if self.started is not None:
+            seconds = (self.finished or time.monotonic()) - self.started
+        return pb.TransferStatus(
+            transfer_id=self.id,
+            role=self.role.value,
+            state=self.state.value,
+            pool=self.pool.name,
+            peer=self.peer,
+            pages=self.runs.num_pages,
+            bytes=self.bytes_total,
+            bytes_done=self.bytes_done,
+            extents=len(self.chunks),
+            seconds=seconds,
+            error_code=status_name(self.error) if self.error else "",
+            error=str(self.error) if self.error else "",
+            verified=self.verified,
+            created_unix=self.created_unix,
+        )
+
+
+class TransferManager:
+    """Owns every transfer of this daemon and drives them to a final state."""
+
+    def __init__(
+        self,
+        pools: PoolRegistry,
+        engine: UcxEngine,
+        *,
+        peer_address: str,
+        chunk_bytes: int,
+        window_bytes: int,
+        heartbeat_s: float,
+        default_timeout_s: float,
+        retain: int,
+        error_handling: bool,
+    ) -> None:
+        self._pools = pools
+        self._engine = engine
+        self.peer_address = peer_address
+        self._chunk_bytes = chunk_bytes
+        self._window_bytes = window_bytes
+        self._default_timeout = default_timeout_s
+        self._retain = retain
+        self._error_handling = error_handling
+        self._transfers: OrderedDict[str, Transfer] = OrderedDict()
+        self._registered = asyncio.Condition()
+        self._next_tag = random.getrandbits(32)
+        self._inbound: dict[str, str] = {}  # session id -> the sender's peer address
+        self._accepting = True
+        self._corrupt = os.environ.get(FAULT_CORRUPT_ENV) == "1"
+        self.links = PeerLinks(engine, self.handshake_request, self.session_lost, heartbeat_s)
+
+    # -- bookkeeping -----------------------------------------------------------
+
+    def get(self, transfer_id: str) -> Transfer:
+        """The transfer ``transfer_id``; raises TransferNotFoundError."""
+        try:
+            return self._transfers[transfer_id]
+        except KeyError:
+            raise TransferNotFoundError(f"no transfer {transfer_id!r} is known here") from None
+
+    def all(self) -> list[Transfer]:
+        """Every transfer still remembered, oldest first."""
+        return list(self._transfers.values())
+
+    def _timeout(self, timeout_s: float) -> float:
+        if timeout_s < 0:
+            raise InvalidRangeError(f"timeout_s={timeout_s} must be >= 0 (0 means the default)")
+        return timeout_s or self._default_timeout
+
+    async def _register(
+        self, transfer_id: str, role: TransferRole, pool_name: str, runs: PageRuns,
+        timeout_s: float, *, verify: bool = False, peer: str = "", disjoint: bool,
+    ) -> Transfer:
+        if not self._accepting:
+            raise PeerUnavailableError("this daemon is shutting down; no new transfers")
+        if not transfer_id:
+            raise InvalidRangeError("transfer_id is empty; expected the engine's request id")
+        pool = self._pools.get(pool_name)
+        runs.check_bounds(pool.descriptor.num_pages, what=f"pool {pool_name!r} pages")
+        if disjoint:
+            runs.check_disjoint()
+        old = self._transfers.get(transfer_id)
+        if old is not None and not old.state.final:
+            raise TransferExistsError(
+                f"transfer {transfer_id!r} is already {old.state.name} here as "
+                f"{old.role.name}; wait for it or abort it first"
+            )
+        timeout = self._timeout(timeout_s)
+        t = Transfer(
+            transfer_id, role, pool, runs, timeout, time.monotonic() + timeout,
+            verify=verify, peer=peer,
+        )
+        self._transfers.pop(transfer_id, None)
+        self._transfers[transfer_id] = t
+        t.timer = asyncio.get_running_loop().call_later(timeout, self._expire, t)
+        ACTIVE.labels(role.name.lower()).inc()
+        self._prune()
+        async with self._registered:
+            self._registered.notify_all()
+        return t
+
+    def _prune(self) -> None:
+        final = [k for k, t in self._transfers.items() if t.state.final]
+        for key in final[: max(0, len(self._transfers) - self._retain)]:
+            del self._transfers[key]
+
+    def _expire(self, t: Transfer) -> None:
+        if not t.state.final:
+            self._finish(t, TransferDeadlineError(
+                f"transfer {t.id!r} did not complete within its {t.timeout_s:g}s deadline "
+                f"(it was {t.state.name})"
+            ))
+            self._tell_peer_abort(t, "deadline exceeded")
+
+    def _finish(self, t: Transfer, error: KvxferError | None = None) -> None:
+        """Move ``t`` to its final state (once); release what it holds."""
+        if t.state.final:
+            return
+        t.state = TransferState.DONE if error is None else _final_state(error)
+        t.error = error
+        t.finished = time.monotonic()
+        if t.timer is not None:
+            t.timer.cancel()
+        if t.task is not None and t.task is not asyncio.current_task():
+            t.task.cancel()
+        pending = [f for f in t.ucx_futures if not f.done()]
+        if pending:
+            self._engine.abandon(pending, f"transfer {t.id!r} ended: {t.state.name}")
+        t.ucx_futures = []
+        t.done.set()
+        t.arrived.set()
+        role = t.role.name.lower()
+        ACTIVE.labels(role).dec()
+        TRANSFERS.labels(role, t.state.name.lower()).inc()
+        if error is None:
+            BYTES.labels(role).inc(t.bytes_total)
+            log.info("transfer %s %s done: %d bytes in %.3fs", t.id, role, t.bytes_total,
+                     (t.finished - (t.started or t.finished)))
+        else:
+            log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error)
+
+    def _fail(self, t: Transfer, exc: BaseException) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            exc = error_for_status(exc.code().name, f"peer {t.peer}: {exc.details()}")
+        if not isinstance(exc, KvxferError):
+            log.exception("transfer %s failed unexpectedly", t.id, exc_info=exc)
+            exc = KvxferError(f"internal error: {type(exc).__name__}: {exc}")
+        self._finish(t, exc)
+
+    def _tell_peer_abort(self, t: Transfer, reason: str) -> None:
+        if not t.peer:
+            return
+        request = pb.AbortTransferRequest(transfer_id=t.id, session_id=t.session_id, reason=reason)
+
+        async def tell() -> None:
+            try:
+                await self.links.stub(t.peer).AbortTransfer(request, timeout=2.0)
+            except grpc.aio.AioRpcError as exc:
+                log.info("could not tell %s that %s ended: %s", t.peer, t.id, exc.code().name)
+
+        asyncio.get_running_loop().create_task(tell())
+
+    async def _wait_registered(self, transfer_id: str, role: TransferRole, timeout: float,
+                               verb: str) -> Transfer:
+        def found() -> bool:
+            t = self._transfers.get(transfer_id)
+            return t is not None and t.role == role
+
+        try:
+            async with self._registered:
+                await asyncio.wait_for(self._registered.wait_for(found), timeout)
+        except asyncio.TimeoutError:
+            raise TransferDeadlineError(
+                f"no {verb} for transfer {transfer_id!r} arrived at {self.peer_address} within "
+                f"{timeout:g}s"
+            ) from None
+        return self._transfers[transfer_id]
+
+    @staticmethod
+    def _check_claimable(t: Transfer) -> None:
+        if t.state.final:
+            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+        if t.state != TransferState.WAITING or t.session_id:
+            raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
+
+    # -- worker verbs ------------------------------------------------------------
+
+    async def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
+                     timeout_s: float) -> Transfer:
+        """Register destination pages for ``transfer_id`` (decode side)."""
+        return await self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs,
+                                    timeout_s, disjoint=True)
+
+    async def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
+                   timeout_s: float, verify: bool) -> Transfer:
+        """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side)."""
+        if not peer:
+            raise InvalidRangeError("peer is empty; expected the decode daemon's host:port")
+        t = await self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
+                                 verify=verify, peer=peer, disjoint=False)
+        t.task = asyncio.create_task(self._run_push(t), name=f"push {transfer_id}")
+        return t
+
+    async def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float,
+                    verify: bool) -> Transfer:
+        """Make source pages available for a peer's ``pull`` (prefill side)."""
+        return await self._register(transfer_id, TransferRole.SENDER, pool, src_runs,
+                                    timeout_s, verify=verify, disjoint=False)
+
+    async def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
+                   timeout_s: float) -> Transfer:
+        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side)."""
+        if not peer:
+            raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
+        t = await self.expect(transfer_id, pool, dst_runs, timeout_s)
+        t.peer = peer
+        t.task = asyncio.create_task(self._request_push(t), name=f"pull {transfer_id}")
+        return t
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> Transfer:
+        """Wait until ``transfer_id`` is final (or ``timeout_s`` passes: TransferDeadlineError)."""
+        t = self.get(transfer_id)
+        try:
+            await asyncio.wait_for(t.done.wait(), timeout_s or t.remaining() + 1)
+        except asyncio.TimeoutError:
+            raise TransferDeadlineError(
+                f"transfer {transfer_id!r} is still {t.state.name} after waiting {timeout_s:g}s"
+            ) from None
+        return t
+
+    async def abort(self, transfer_id: str, reason: str) -> Transfer:
+        """End ``transfer_id`` on both sides (no-op if already final)."""
+        t = self.get(transfer_id)
+        if not t.state.final:
+            self._finish(t, TransferAbortedError(f"aborted here: {reason or 'no reason given'}"))
+            self._tell_peer_abort(t, reason)
+        return t
+
+    # -- peer verbs ----------------------------------------------------------------
+
+    def handshake_request(self, session_id: str) -> pb.HandshakeRequest:
+        """What we tell a peer about ourselves when opening a session."""
+        return pb.HandshakeRequest(
+            session_id=session_id,
+            ucx_host=self._engine.host,
+            ucx_port=self._engine.port,
+            ucx_error_handling=self._error_handling,
+            pools=[d.to_proto() for d in self._pools.descriptors()],
+            peer_address=self.peer_address,
+        )
+
+    def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
+        """Accept a session from a peer that will send to us."""
+        self._inbound[request.session_id] = request.peer_address
+        return pb.HandshakeResponse(
+            session_id=request.session_id,
+            ucx_host=self._engine.host,
+            ucx_port=self._engine.port,
+            ucx_error_handling=self._error_handling,
+            pools=[d.to_proto() for d in self._pools.descriptors()],
+        )
+
+    async def claim(self, request: pb.ClaimRequest) -> pb.ClaimResponse:
+        """A sender asks where ``transfer_id`` goes; post the receives and answer (step 2)."""
+        if request.session_id not in self._inbound:
+            raise PeerUnavailableError(f"session {request.session_id[:8]} is unknown; handshake first")
+        t = await self._wait_registered(request.transfer_id, TransferRole.RECEIVER,
+                                        request.timeout_s or self._default_timeout, "expect")
+        self._check_claimable(t)
+        t.session_id = request.session_id
+        t.peer = t.peer or self._inbound[request.session_id]
+        try:
+            src = PoolDescriptor.from_proto(request.src_pool)
+            check_compatible(src, t.pool.descriptor)
+            t.chunks = plan_chunks(runs_from_proto(request.src_runs), src.layout, t.runs,
+                                   t.pool.descriptor.layout, request.chunk_bytes or self._chunk_bytes)
+        except KvxferError as exc:
+            self._finish(t, exc)
+            raise
+        tag_base = self._next_tag << CHUNK_BITS
+        self._next_tag = (self._next_tag + 1) % (1 << (64 - CHUNK_BITS))
+        t.verify = request.verify
+        t.state = TransferState.TRANSFERRING
+        t.started = time.monotonic()
+        arena = t.pool.arena
+        t.ucx_futures = [
+            self._engine.recv(arena.buffer(c.dst_offset, c.nbytes), tag_base + i)
+            for i, c in enumerate(t.chunks)
+        ]
+        t.task = asyncio.create_task(self._receive(t, list(t.ucx_futures)), name=f"recv {t.id}")
+        return pb.ClaimResponse(tag_base=tag_base, dst_pool=t.pool.name,
+                                dst_runs=runs_to_proto(t.runs))
+
+    async def _receive(self, t: Transfer, futures: list[Any]) -> None:
+        try:
+            for chunk, fut in zip(t.chunks, futures):
+                await asyncio.wrap_future(fut)
+                t.bytes_done += chunk.nbytes
+            if self._corrupt:
+                view = t.pool.arena.raw[t.chunks[0].dst_offset]
+                view.bitwise_not_()
+            t.arrived.set()
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._fail(t, exc)
+
+    async def commit(self, request: pb.CommitRequest) -> pb.TransferStatus:
+        """The sender sent everything; wait for the bytes, verify, and answer (step 4)."""
+        t = self.get(request.transfer_id)
+        if t.role != TransferRole.RECEIVER or t.session_id != request.session_id:
+            raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
+        try:
+            await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
+        except asyncio.TimeoutError:
+            self._expire(t)
+        if t.state.final:
+            return t.status()
+        if request.checksums:
+            await self._verify(t, list(request.checksums))
+        if not t.state.final:
+            t.verified = bool(request.checksums)
+            self._finish(t)
+        return t.status()
+
+    async def _verify(self, t: Transfer, expected: list[int]) -> None:
+        if len(expected) != len(t.chunks):
+            self._finish(t, IntegrityError(
+                f"sender sent {len(expected)} checksums for {len(t.chunks)} chunks"))
+            return
+        arena = t.pool.arena
+        actual = await asyncio.to_thread(
+            lambda: [checksum(arena.buffer(c.dst_offset, c.nbytes)) for c in t.chunks]
+        )
+        for i, (want, got) in enumerate(zip(expected, actual)):
+            if want != got:
+                c = t.chunks[i]
+                self._finish(t, IntegrityError(
+                    f"chunk {i} of transfer {t.id!r} (destination bytes "
+                    f"[{c.dst_offset}, {c.dst_offset + c.nbytes})) has checksum {got:#x}, the "
+                    f"sender computed {want:#x}"))
+                return
+
+    async def request_push(self, request: pb.RequestPushRequest) -> None:
+        """A puller asks us to push ``transfer_id`` to it once it is offered."""
+        t = await self._wait_registered(request.transfer_id, TransferRole.SENDER,
+                                        request.timeout_s or self._default_timeout, "offer")
+        if t.state.final:
+            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+        if t.peer or t.task is not None:
+            raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
+        t.peer = request.reply_to
+        t.task = asyncio.create_task(self._run_push(t), name=f"push {t.id}")
+
+    def abort_from_peer(self, request: pb.AbortTransferRequest) -> None:
+        """The peer ended the transfer; end our side too."""
+        t = self._transfers.get(request.transfer_id)
+        if t is not None and not t.state.final:
+            if t.session_id and request.session_id and t.session_id != request.session_id:
+                return
+            self._finish(t, TransferAbortedError(
+                f"aborted by peer {t.peer or '?'}: {request.reason or 'no reason given'}"))
+
+    def session_lost(self, session_id: str, reason: str) -> None:
+        """A peer went away: fail every transfer of that session now."""
+        self._inbound.pop(session_id, None)
+        for t in list(self._transfers.values()):
+            if t.session_id == session_id and not t.state.final:
+                self._finish(t, PeerUnavailableError(f"transfer {t.id!r} failed: {reason}"))
+
+    def inbound_session_ended(self, session_id: str) -> None:
+        """The sender's heartbeat stream to us ended (it died or closed the session)."""
+        peer = self._inbound.get(session_id, "?")
+        self.session_lost(session_id, f"sender {peer} went away")
+
+    # -- the sending side ------------------------------------------------------------
+
+    async def _request_push(self, t: Transfer) -> None:
+        request = pb.RequestPushRequest(transfer_id=t.id, reply_to=self.peer_address,
+                                        dst_pool=t.pool.name, timeout_s=t.remaining())
+        try:
+            await self.links.stub(t.peer).RequestPush(request, timeout=t.remaining() + 0.5)
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._fail(t, exc)
+
+    async def _run_push(self, t: Transfer) -> None:
+        try:
+            link = await self.links.get(t.peer, timeout=t.remaining())
+            t.session_id = link.session_id
+            claim = await link.stub.Claim(
+                pb.ClaimRequest(
+                    transfer_id=t.id, session_id=link.session_id,
+                    src_pool=t.pool.descriptor.to_proto(), src_runs=runs_to_proto(t.runs),
+                    timeout_s=t.remaining(), verify=t.verify, chunk_bytes=self._chunk_bytes,
+                ),
+                timeout=t.remaining() + 0.5,
+            )
+            dst = link.pools.get(claim.dst_pool)
+            if dst is None:
+                raise IncompatibleLayoutError(f"peer {t.peer} names unknown pool {claim.dst_pool!r}")
+            check_compatible(t.pool.descriptor, dst)
+            t.chunks = plan_chunks(t.runs, t.pool.descriptor.layout, runs_from_proto(claim.dst_runs),
+                                   dst.layout, self._chunk_bytes)
+            t.state = TransferState.TRANSFERRING
+            t.started = time.monotonic()
+            checksums = await self._send_chunks(t, link.endpoint, claim.tag_base)
+            status = await link.stub.Commit(
+                pb.CommitRequest(transfer_id=t.id, session_id=link.session_id, checksums=checksums),
+                timeout=t.remaining() + 0.5,
+            )
+            if status.state == TransferState.DONE.value:
+                t.verified = status.verified
+                self._finish(t)
+            else:
+                self._finish(t, error_for_status(status.error_code, f"receiver: {status.error}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._fail(t, exc)
+
+    async def _send_chunks(self, t: Transfer, endpoint: Any, tag_base: int) -> list[int]:
+        arena = t.pool.arena
+        checksums: list[int] = []
+        window: list[tuple[Any, int]] = []
+        in_flight = 0
+        for i, chunk in enumerate(t.chunks):
+            buffer = arena.buffer(chunk.src_offset, chunk.nbytes)
+            if t.verify:
+                checksums.append(checksum(buffer))
+            fut = self._engine.send(endpoint, buffer, tag_base + i)
+            t.ucx_futures.append(fut)
+            window.append((fut, chunk.nbytes))
+            in_flight += chunk.nbytes
+            while in_flight > self._window_bytes:
+                fut, n = window.pop(0)
+                await asyncio.wrap_future(fut)
+                t.bytes_done += n
+                in_flight -= n
+        for fut, n in window:
+            await asyncio.wrap_future(fut)
+            t.bytes_done += n
+        t.ucx_futures = []
+        return checksums
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Refuse new transfers, let running ones finish for ``grace_s``, fail the rest."""
+        self._accepting = False
+        running = [t for t in self._transfers.values()
+                   if t.state == TransferState.TRANSFERRING]
+        if running:
+            log.info("waiting up to %.1fs for %d running transfers", grace_s, len(running))
+            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in running],
+                               timeout=grace_s)
+        for t in list(self._transfers.values()):
+            if not t.state.final:
+                self._finish(t, PeerUnavailableError(f"daemon {self.peer_address} shut down"))
+                self._tell_peer_abort(t, "peer daemon shut down")
+        await asyncio.sleep(0.1)
+        await self.links.close()
