@@ -46,6 +46,16 @@ def apply_ucx_defaults() -> None:
         os.environ.setdefault(key, value)
 
 
+def _settle(fut: Future[None], error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless its waiter already gave up on it (cancelled)."""
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
 @dataclass(frozen=True)
 class EndpointId:
     """A connection from this engine to a peer's listener."""
@@ -62,7 +72,7 @@ class UcxEngine:
     network, except ``connect`` and ``close`` which wait for the thread.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, error_handling: bool = False):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, error_handling: bool = True):
         apply_ucx_defaults()
         from ucxx._lib import libucxx as ucx_api
 
@@ -76,6 +86,7 @@ class UcxEngine:
         self._endpoints: dict[int, Any] = {}
         self._accepted: list[Any] = []
         self._abandoned: list[tuple[Any, Future[None], Any]] = []
+        self._dead: list[Any] = []
         self._next_ep = 0
         self._stopping = False
         ready: Future[int] = Future()
@@ -173,20 +184,25 @@ class UcxEngine:
             ready.set_exception(exc)
             return
         ready.set_result(self._listener.port)
-        epoll_fd = self._worker.epoll_file_descriptor
         while not self._stopping:
-            self._drain_commands()
-            self._worker.progress()
-            if self._inflight:
-                self._reap()
-                continue
-            if self._worker.arm() and self._commands.empty():
-                select.select([epoll_fd, self._wake_r], [], [], 0.5)
             try:
-                os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                pass
+                self._step()
+            except Exception:  # noqa: BLE001 - one bad request must not stop the data plane
+                log.exception("UCX progress step failed; continuing")
         self._shutdown()
+
+    def _step(self) -> None:
+        self._drain_commands()
+        self._worker.progress()
+        if self._inflight:
+            self._reap()
+            return
+        if self._worker.arm() and self._commands.empty():
+            select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], 0.5)
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
 
     def _drain_commands(self) -> None:
         while True:
@@ -205,19 +221,19 @@ class UcxEngine:
             try:
                 request.check_error()
             except Exception as exc:  # noqa: BLE001 - delivered to the waiter
-                fut.set_exception(PeerUnavailableError(f"UCX request failed: {exc}"))
+                _settle(fut, PeerUnavailableError(f"UCX request failed: {exc}"))
             else:
-                fut.set_result(None)
+                _settle(fut)
         self._inflight = still
 
     def _start(self, fut: Future[None], buffer: Any, post: Callable[[Any], Any]) -> None:
-        if fut.cancelled():
+        if fut.done():
             return
         try:
             array = self._api_array(buffer)
             request = post(array)
         except Exception as exc:  # noqa: BLE001 - delivered to the waiter
-            fut.set_exception(PeerUnavailableError(f"UCX request could not start: {exc}"))
+            _settle(fut, PeerUnavailableError(f"UCX request could not start: {exc}"))
             return
         self._inflight.append((request, fut, (array, buffer)))
 
@@ -225,8 +241,7 @@ class UcxEngine:
         still = []
         for entry in self._inflight:
             if id(entry[1]) in pending:
-                if not entry[1].done():
-                    entry[1].set_exception(PeerUnavailableError(reason))
+                _settle(entry[1], PeerUnavailableError(reason))
                 self._abandoned.append(entry)
             else:
                 still.append(entry)
@@ -254,8 +269,14 @@ class UcxEngine:
 
     def _close_ep(self, number: int) -> None:
         ep = self._endpoints.pop(number, None)
-        if ep is not None:
+        if ep is None:
+            return
+        if ep.alive:
             ep.close()
+        else:
+            # Closing an endpoint whose peer already failed crashes ucxx 0.52; UCX has torn
+            # its transport down already, so keep the handle and never close it.
+            self._dead.append(ep)
 
     def _on_connect(self, conn_request: Any) -> None:
         ep = self._listener.create_endpoint_from_conn_request(conn_request, self._error_handling)
@@ -268,8 +289,7 @@ class UcxEngine:
             ep.close()
         self._accepted.clear()
         for _, fut, _ in self._inflight:
-            if not fut.done():
-                fut.set_exception(PeerUnavailableError("the UCX engine is shutting down"))
+            _settle(fut, PeerUnavailableError("the UCX engine is shutting down"))
         self._inflight.clear()
         self._worker.cancel_inflight_requests()
         del self._listener

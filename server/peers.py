@@ -5,9 +5,9 @@ channel, the peer's pool descriptors, a UCX endpoint to its listener, and a
 ``Watch`` stream of heartbeats. The stream gives both sides liveness: when the
 peer dies its TCP connection resets and the stream fails at once on our side;
 when we die, the peer's stream handler is cancelled. Either way every transfer
-of the session fails with UNAVAILABLE instead of waiting for its deadline. (UCX
-peer error handling would do the same at the data plane, but it disables the
-zero-copy tcp and shared-memory paths here, halving throughput.)
+of the session fails with UNAVAILABLE instead of waiting for its deadline. UCX
+peer error handling (on by default) fails the data-plane requests too; with it
+off, the stream is the only thing that notices a dead peer.
 """
 
 from __future__ import annotations

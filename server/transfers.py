@@ -183,6 +183,8 @@ class TransferManager:
         self._registered = asyncio.Condition()
         self._next_tag = random.getrandbits(32)
         self._inbound: dict[str, str] = {}  # session id -> the sender's peer address
+        # Ids a peer aborted before this side registered them: registering one ends it at once.
+        self._aborted_early: OrderedDict[str, str] = OrderedDict()
         self._accepting = True
         self._corrupt = os.environ.get(FAULT_CORRUPT_ENV) == "1"
         self.links = PeerLinks(engine, self.handshake_request, self.session_lost, heartbeat_s)
@@ -233,6 +235,10 @@ class TransferManager:
         t.timer = asyncio.get_running_loop().call_later(timeout, self._expire, t)
         ACTIVE.labels(role.name.lower()).inc()
         self._prune()
+        if transfer_id in self._aborted_early:
+            self._finish(t, TransferAbortedError(
+                f"aborted by the peer before it was registered here: "
+                f"{self._aborted_early.pop(transfer_id)}"))
         async with self._registered:
             self._registered.notify_all()
         return t
@@ -491,7 +497,12 @@ class TransferManager:
     def abort_from_peer(self, request: pb.AbortTransferRequest) -> None:
         """The peer ended the transfer; end our side too."""
         t = self._transfers.get(request.transfer_id)
-        if t is not None and not t.state.final:
+        if t is None:
+            self._aborted_early[request.transfer_id] = request.reason or "no reason given"
+            while len(self._aborted_early) > self._retain:
+                self._aborted_early.popitem(last=False)
+            return
+        if not t.state.final:
             if t.session_id and request.session_id and t.session_id != request.session_id:
                 return
             self._finish(t, TransferAbortedError(

@@ -40,3 +40,20 @@ def reference() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def spawn(tmp_path: Path):
+    """Start ``LocalDaemon``s for one test; every one is stopped (or killed) at teardown."""
+    from kvxfer.client.spawn import LocalDaemon
+
+    started: list[LocalDaemon] = []
+
+    def start(name: str, pools: list[str], **kwargs) -> LocalDaemon:
+        daemon = LocalDaemon(name, pools, workdir=str(tmp_path / name), **kwargs)
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        daemon.stop(timeout_s=15)

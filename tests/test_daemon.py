@@ -1,0 +1,158 @@
+"""The daemon as a real subprocess: pools, descriptors, attach, health, shutdown, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from kvxfer.client import KvxferClient
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import InvalidRangeError, PageOutOfRangeError, PoolNotFoundError, TransferExistsError
+from kvxfer.layout import PoolLayout
+from kvxfer.pages import PageRuns
+from kvxfer.server.config import PRESETS, spec_from_dict
+
+HERE = Path(__file__).resolve().parent
+TINY = "name=kv,preset=tiny"
+
+HYBRID_CONFIG = """
+arenas:
+  - name: hybrid
+    pools:
+      - {name: attn, preset: tiny, num_pages: 12}
+      - {name: ssm, preset: mamba-small, num_slots: 6}
+pools:
+  - {name: latent, preset: mla-small, num_pages: 8}
+"""
+
+
+def all_views(views) -> list[torch.Tensor]:
+    extra = [views.temporal] if views.temporal is not None else []
+    return [*views.k, *views.v, *views.latent, *views.conv, *extra]
+
+
+def test_health_is_serving_and_reflection_lists_the_services(spawn) -> None:
+    d = spawn("a", [TINY])
+    with KvxferClient(d.worker_address) as kv:
+        assert kv.health() == "SERVING"
+    with grpc.insecure_channel(d.peer_address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in responses for s in r.list_services_response.service}
+    assert "kvxfer.v1.KvxferPeer" in names and "grpc.health.v1.Health" in names
+
+
+def test_descriptor_over_grpc_rebuilds_identical_views(spawn) -> None:
+    d = spawn("a", [TINY])
+    expected = PoolDescriptor("kv", PoolLayout(spec_from_dict(PRESETS["tiny"])))
+    with KvxferClient(d.worker_address) as kv:
+        desc, memory = kv.describe("kv")
+        assert desc == expected
+        assert memory.device == "cpu" and memory.WhichOneof("kind") == "shm"
+        with kv.attach("kv") as pool:
+            local = expected.build_views(torch.zeros(pool.raw.numel(), dtype=torch.uint8))
+            for a, b in zip(all_views(pool.views), all_views(local), strict=True):
+                assert (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+
+
+def test_what_one_worker_writes_another_attach_reads(spawn) -> None:
+    d = spawn("a", [TINY])
+    out = subprocess.run([sys.executable, str(HERE / "worker_write.py"), d.worker_address, "kv", "7"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    written = json.loads(out.stdout)
+    with KvxferClient(d.worker_address) as kv, kv.attach("kv") as pool:
+        read = [float(v.double().sum()) for v in all_views(pool.views)]
+        torch.manual_seed(7)
+        expected = [torch.randn(v.shape).to(v.dtype) for v in all_views(pool.views)]
+        assert all(torch.equal(v, e) for v, e in zip(all_views(pool.views), expected))
+    assert read == written
+
+
+def test_hybrid_arena_shares_one_buffer(spawn, tmp_path: Path) -> None:
+    config = tmp_path / "hybrid.yaml"
+    config.write_text(HYBRID_CONFIG)
+    d = spawn("a", [], extra_args=["--config", str(config)])
+    with KvxferClient(d.worker_address) as kv:
+        pools = {desc.name: (desc, mem) for desc, mem in kv.pools()}
+        assert set(pools) == {"attn", "ssm", "latent"}
+        (attn, attn_mem), (ssm, ssm_mem) = pools["attn"], pools["ssm"]
+        assert attn_mem.shm.path == ssm_mem.shm.path
+        assert ssm.layout.anchor_bytes >= attn.layout.end_bytes
+        subprocess.run([sys.executable, str(HERE / "worker_write.py"), d.worker_address, "ssm", "3"],
+                       capture_output=True, timeout=60, check=True)
+        with kv.attach("attn") as a, kv.attach("ssm") as s:
+            assert all(float(v.abs().sum()) == 0 for v in all_views(a.views))
+            assert s.views.temporal is not None and float(s.views.temporal.abs().sum()) > 0
+
+
+def test_sigterm_exits_zero_and_leaves_no_shared_memory(spawn) -> None:
+    d = spawn("a", [TINY])
+    with KvxferClient(d.worker_address) as kv:
+        _, memory = kv.describe("kv")
+    shm = Path(memory.shm.path)
+    sock = Path(d.worker_address[len("unix://"):])
+    assert shm.exists()
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(shm.stat().st_mode) == 0o600
+    assert d.stop() == 0
+    assert not shm.exists() and not sock.exists()
+
+
+def test_sigint_also_shuts_down_cleanly(spawn) -> None:
+    d = spawn("a", [TINY])
+    d.process.send_signal(signal.SIGINT)
+    assert d.process.wait(20) == 0
+
+
+def test_bad_requests_get_clear_codes_and_the_daemon_keeps_serving(spawn) -> None:
+    d = spawn("a", [TINY])
+    with KvxferClient(d.worker_address) as kv:
+        with pytest.raises(PoolNotFoundError, match=r"no pool named 'nope'.*\['kv'\]"):
+            kv.describe("nope")
+        with pytest.raises(PageOutOfRangeError, match="pages 0..63"):
+            kv.describe_pages("kv", PageRuns.of([(60, 8)]))
+        with pytest.raises(InvalidRangeError, match="overlap"):
+            kv.expect("t1", "kv", PageRuns.of([(0, 4), (2, 1)]))
+        kv.expect("t2", "kv", PageRuns.of([(0, 1)]), timeout_s=30)
+        with pytest.raises(TransferExistsError, match="already WAITING"):
+            kv.expect("t2", "kv", PageRuns.of([(1, 1)]))
+        raw = grpc.insecure_channel(d.worker_address)
+        from kvxfer.v1 import kvxfer_pb2 as pb
+        from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.KvxferStub(raw).DescribePages(pb.DescribePagesRequest(pool="kv"), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "empty" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.KvxferStub(raw).Expect(pb.ExpectRequest(transfer_id="", pool="kv",
+                                           dst_runs=[pb.PageRun(start=0, count=1)]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        raw.close()
+        assert kv.health() == "SERVING"
+        assert [e.nbytes for e in kv.describe_pages("kv", PageRuns.of([(0, 2), (5, 1)]))] == [
+            2 * kv.describe("kv")[0].page_bytes, kv.describe("kv")[0].page_bytes]
+
+
+def test_a_bad_config_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.client.cli", "serve", "--pool", "name=kv,kind=mha,layer_num=0",
+         "--worker-address", f"unix://{tmp_path}/s.sock", "--peer-address", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "UCX_NET_DEVICES": "lo"},
+    )
+    assert out.returncode == 2
+    assert "missing fields" in out.stdout + out.stderr

@@ -1,0 +1,261 @@
+"""Daemon-to-daemon transfers over UCX between real daemon processes on loopback."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.client import AttachedPool, KvxferClient
+from kvxfer.client.bench import random_runs
+from kvxfer.pages import PageRuns
+from kvxfer.server.transfers import FAULT_CORRUPT_ENV
+from kvxfer.states import TransferState
+
+STANDARD = "name=kv,preset=llama8b"  # 32 layers, 8 heads, 128 dim, bf16, 2 MiB pages, 512 pages
+SMALL = "name=kv,preset=llama8b,num_pages=64"
+
+
+def fill_random(pool: AttachedPool, seed: int) -> None:
+    data = np.random.default_rng(seed).bytes(pool.raw.numel())
+    pool.raw.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def assert_moved(src: AttachedPool, dst: AttachedPool, src_runs: PageRuns, dst_runs: PageRuns,
+                 before: torch.Tensor) -> None:
+    """Destination pages equal their source pages, and no other destination byte changed."""
+    expected = before.clone()
+    for s, d in zip(src_runs.pages(), dst_runs.pages(), strict=True):
+        assert torch.equal(src.page_bytes_view(s), dst.page_bytes_view(d)), f"page {s} -> {d}"
+        off = dst.descriptor.layout.page_offset(d)
+        expected[off : off + dst.descriptor.page_bytes] = src.page_bytes_view(s)
+    assert torch.equal(dst.raw, expected), "bytes outside the destination changed"
+
+
+def standard_runs(seed: int, num_pages: int = 512, pages: int = 128) -> tuple[PageRuns, PageRuns]:
+    """128 pages from seeded random runs of 1-16 pages to runs at other offsets."""
+    rng = random.Random(seed)
+    src = random_runs(rng, list(range(num_pages)), pages, (1, 16))
+    dst = random_runs(rng, list(range(num_pages)), pages, (1, 16))
+    return src, dst
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A prefill and a decode daemon with the standard pool, shared by this module's tests."""
+    from kvxfer.client.spawn import LocalDaemon
+
+    root = tmp_path_factory.mktemp("pair")
+    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p")) as pre, \
+            LocalDaemon("decode", [STANDARD], workdir=str(root / "d")) as dec:
+        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+                p.attach("kv") as src, d.attach("kv") as dst:
+            fill_random(src, 1)
+            yield pre, dec, p, d, src, dst
+
+
+def test_standard_workload_push_is_byte_exact(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    for seed in range(2):
+        src_runs, dst_runs = standard_runs(seed)
+        before = dst.raw.clone()
+        d.expect(f"std-{seed}", "kv", dst_runs, timeout_s=60)
+        p.push(f"std-{seed}", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        sent, got = p.wait(f"std-{seed}"), d.wait(f"std-{seed}")
+        assert sent.ok and got.ok, (sent.error, got.error)
+        assert got.verified and got.bytes == 128 * 2 * 2**20
+        assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_push_before_expect_waits_for_the_expect(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    src_runs, dst_runs = PageRuns.of([(3, 5)]), PageRuns.of([(100, 2), (7, 3)])
+    before = dst.raw.clone()
+    p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30)
+    time.sleep(0.5)
+    assert p.transfers()[-1].state == TransferState.WAITING
+    d.expect("late-expect", "kv", dst_runs, timeout_s=30)
+    assert p.wait("late-expect").ok and d.wait("late-expect").ok
+    assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+@pytest.mark.parametrize("offer_first", [True, False])
+def test_pull_in_either_order(pair, offer_first: bool) -> None:
+    pre, dec, p, d, src, dst = pair
+    tid = f"pull-{offer_first}"
+    src_runs, dst_runs = PageRuns.of([(40, 4), (2, 2)]), PageRuns.of([(200, 6)])
+    before = dst.raw.clone()
+    if offer_first:
+        p.offer(tid, "kv", src_runs, timeout_s=30, verify=True)
+        d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30)
+    else:
+        d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30)
+        time.sleep(0.3)
+        p.offer(tid, "kv", src_runs, timeout_s=30, verify=True)
+    got, sent = d.wait(tid), p.wait(tid)
+    assert got.ok and sent.ok and got.verified, (got.error, sent.error)
+    assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_sixteen_concurrent_transfers_in_both_directions(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    fill_random(dst, 2)
+    jobs = []
+    for i in range(16):
+        forward = i % 2 == 0
+        lane = i // 2
+        # Sources come from pages 0-255 of one pool, destinations are 8 disjoint lanes of
+        # 32 pages in 256-511 of the other, so no transfer reads what another writes.
+        rng = random.Random(100 + i)
+        s_runs = random_runs(rng, list(range(256)), 8, (1, 4))
+        d_runs = random_runs(rng, list(range(256 + lane * 32, 256 + (lane + 1) * 32)), 8, (1, 4))
+        jobs.append((f"conc-{i}", forward, s_runs, d_runs))
+    src_before, dst_before = src.raw.clone(), dst.raw.clone()
+
+    def run(job) -> tuple:
+        tid, forward, s_runs, d_runs = job
+        sender, receiver = (p, d) if forward else (d, p)
+        peer = dec.peer_address if forward else pre.peer_address
+        receiver.expect(tid, "kv", d_runs, timeout_s=60)
+        sender.push(tid, "kv", s_runs, peer=peer, timeout_s=60, verify=True)
+        return sender.wait(tid), receiver.wait(tid)
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, jobs))
+    assert all(s.ok and r.ok and r.verified for s, r in results), [
+        (s.error, r.error) for s, r in results if not (s.ok and r.ok)]
+    for tid, forward, s_runs, d_runs in jobs:
+        s_raw, d_view = (src_before, dst) if forward else (dst_before, src)
+        page = 2 * 2**20
+        for s, dd in zip(s_runs.pages(), d_runs.pages()):
+            assert torch.equal(s_raw[s * page : (s + 1) * page], d_view.page_bytes_view(dd)), tid
+    fill_random(src, 1)
+
+
+def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> None:
+    pre, dec, p, d, src, dst = pair
+    other = spawn("other", ["name=kv,preset=llama8b,num_pages=16,head_num=4"])
+    with KvxferClient(other.worker_address) as o, o.attach("kv") as odst:
+        before = odst.raw.clone()
+        o.expect("incompat", "kv", PageRuns.of([(0, 4)]), timeout_s=20)
+        p.push("incompat", "kv", PageRuns.of([(0, 4)]), peer=other.peer_address, timeout_s=20)
+        sent, got = p.wait("incompat"), o.wait("incompat")
+        assert sent.state == got.state == TransferState.FAILED
+        assert sent.error_code == got.error_code == "FAILED_PRECONDITION"
+        assert "head_num differs" in sent.error and "has 8" in sent.error
+        assert torch.equal(odst.raw, before)
+
+
+def test_unequal_page_counts_fail_both_sides(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    before = dst.raw.clone()
+    d.expect("unequal", "kv", PageRuns.of([(0, 3)]), timeout_s=20)
+    p.push("unequal", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address, timeout_s=20)
+    sent, got = p.wait("unequal"), d.wait("unequal")
+    assert sent.error_code == got.error_code == "INVALID_ARGUMENT"
+    assert "4 pages but destination has 3" in got.error
+    assert torch.equal(dst.raw, before)
+
+
+def test_deadline_expires_on_both_sides(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    start = time.monotonic()
+    d.expect("lonely-expect", "kv", PageRuns.of([(0, 1)]), timeout_s=1.0)
+    p.push("lonely-push", "kv", PageRuns.of([(0, 1)]), peer=dec.peer_address, timeout_s=1.0)
+    got, sent = d.wait("lonely-expect", timeout_s=10), p.wait("lonely-push", timeout_s=10)
+    assert got.state == sent.state == TransferState.DEADLINE_EXCEEDED
+    assert "within its 1s deadline" in got.error
+    assert time.monotonic() - start < 5
+
+
+def test_receiver_abort_ends_the_sender(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    d.expect("abort-r", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
+    assert d.abort("abort-r", "request cancelled").state == TransferState.ABORTED
+    p.push("abort-r", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
+    sent = p.wait("abort-r", timeout_s=10)
+    assert sent.state == TransferState.ABORTED and "request cancelled" in sent.error
+
+
+def test_sender_abort_ends_the_receiver(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    p.push("abort-s", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
+    time.sleep(0.3)  # the push now waits in Claim for an expect that has not come
+    assert p.abort("abort-s", "prefill cancelled").state == TransferState.ABORTED
+    time.sleep(0.3)
+    got = d.expect("abort-s", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
+    assert got.state == TransferState.ABORTED and "prefill cancelled" in got.error
+
+
+def test_abort_mid_transfer_ends_both_sides(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    src_runs, dst_runs = standard_runs(5)
+    d.expect("abort-mid", "kv", dst_runs, timeout_s=30)
+    p.push("abort-mid", "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True)
+    d.abort("abort-mid", "decode gave up")
+    got, sent = d.wait("abort-mid", timeout_s=10), p.wait("abort-mid", timeout_s=10)
+    assert got.state == TransferState.ABORTED
+    assert sent.state in (TransferState.ABORTED, TransferState.FAILED)
+
+
+def test_checksum_mismatch_fails_the_transfer(pair, spawn) -> None:
+    pre, dec, p, d, src, dst = pair
+    bad = spawn("corrupting", [SMALL], env={FAULT_CORRUPT_ENV: "1"})
+    with KvxferClient(bad.worker_address) as b:
+        b.expect("corrupt", "kv", PageRuns.of([(0, 8)]), timeout_s=20)
+        p.push("corrupt", "kv", PageRuns.of([(8, 8)]), peer=bad.peer_address, timeout_s=20, verify=True)
+        got, sent = b.wait("corrupt"), p.wait("corrupt")
+    assert got.state == sent.state == TransferState.FAILED
+    assert got.error_code == sent.error_code == "DATA_LOSS"
+    assert "checksum" in got.error
+
+
+def test_killing_the_receiver_fails_the_sender_fast_and_others_still_complete(pair, spawn) -> None:
+    pre, dec, p, d, src, dst = pair
+    victim = spawn("victim", [STANDARD])
+    third = spawn("third", [SMALL])
+    with KvxferClient(victim.worker_address) as v, KvxferClient(third.worker_address) as t:
+        ids = [f"doomed-{i}" for i in range(4)]
+        for i, tid in enumerate(ids):
+            v.expect(tid, "kv", PageRuns.of([(i * 128, 128)]), timeout_s=60)
+            p.push(tid, "kv", PageRuns.of([(i * 128, 128)]), peer=victim.peer_address, timeout_s=60)
+        deadline = time.monotonic() + 20
+        while not any(x.state == TransferState.TRANSFERRING for x in p.transfers() if x.transfer_id in ids):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        victim.kill()
+        killed_at = time.monotonic()
+        outcomes = [p.wait(tid, timeout_s=30) for tid in ids]
+        waited = time.monotonic() - killed_at
+        failed = [o for o in outcomes if not o.ok]
+        assert failed, "every transfer finished before the kill; nothing was tested"
+        assert all(o.error_code == "UNAVAILABLE" for o in failed), [o.error for o in failed]
+        assert waited < 10, f"sender took {waited:.1f}s to notice the dead peer (deadline 60s)"
+        t.expect("survivor", "kv", PageRuns.of([(0, 16)]), timeout_s=30)
+        p.push("survivor", "kv", PageRuns.of([(16, 16)]), peer=third.peer_address, timeout_s=30)
+        assert p.wait("survivor").ok and t.wait("survivor").ok
+    assert p.health() == "SERVING"
+
+
+def test_killing_the_sender_fails_the_receiver_fast(pair, spawn) -> None:
+    pre, dec, p, d, src, dst = pair
+    doomed = spawn("doomed-sender", [STANDARD])
+    with KvxferClient(doomed.worker_address) as s:
+        d.expect("orphan", "kv", PageRuns.of([(0, 256)]), timeout_s=60)
+        s.push("orphan", "kv", PageRuns.of([(0, 256)]), peer=dec.peer_address, timeout_s=60)
+        deadline = time.monotonic() + 20
+        while d.transfers()[-1].state == TransferState.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        doomed.kill()
+        start = time.monotonic()
+        got = d.wait("orphan", timeout_s=30)
+    if got.ok:
+        pytest.skip("the transfer completed before the kill landed")
+    assert got.error_code == "UNAVAILABLE"
+    assert time.monotonic() - start < 10
