@@ -307,8 +307,12 @@ class TransferManager:
     async def _wait_registered(self, transfer_id: str, role: TransferRole, timeout: float,
                                verb: str) -> Transfer:
         def found() -> bool:
+            # A final transfer that already had its partner is history, not a match: the
+            # id is being reused and the new registration is still to come.
             t = self._transfers.get(transfer_id)
-            return t is not None and t.role == role
+            partnered = t is not None and bool(t.session_id if role == TransferRole.RECEIVER
+                                               else t.peer)
+            return t is not None and t.role == role and not (t.state.final and partnered)
 
         try:
             async with self._registered:
