@@ -108,11 +108,16 @@ def _one_transfer(args: argparse.Namespace, prefill: KvxferClient, decode: Kvxfe
     else:
         prefill.offer(tid, args.pool, src, timeout_s=args.timeout, verify=args.verify)
         decode.pull(tid, args.prefill_peer, args.pool, dst, timeout_s=args.timeout)
-    sent = prefill.wait(tid, timeout_s=args.timeout + 5)
-    got = decode.wait(tid, timeout_s=args.timeout + 5)
-    for side in (got, sent):
-        if not side.ok:
-            return False, side.error_code or side.state.name
+    # Wait on the side that drives the transfer first; if it failed, end the other side
+    # now (as an engine would) instead of letting it run into its deadline.
+    first, second = (prefill, decode) if args.mode == "push" else (decode, prefill)
+    status = first.wait(tid, timeout_s=args.timeout + 5)
+    if not status.ok:
+        second.abort(tid, f"the other side ended {status.state.name}")
+        return False, status.error_code or status.state.name
+    status = second.wait(tid, timeout_s=args.timeout + 5)
+    if not status.ok:
+        return False, status.error_code or status.state.name
     return True, ""
 
 

@@ -1,0 +1,77 @@
+"""The kvxfer command line, run as an operator would (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
+
+
+def kvxfer(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxfer.client.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+@pytest.mark.parametrize("command", ["serve", "pools", "describe", "health", "transfers", "bench", "demo"])
+def test_every_command_explains_itself_with_an_example(command: str) -> None:
+    out = kvxfer(command, "--help", timeout=60)
+    assert out.returncode == 0
+    assert "example:" in out.stdout and f"kvxfer {command}" in out.stdout
+
+
+def test_bench_spawn_json_numbers_are_consistent() -> None:
+    out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "8", "--run-length", "1-4",
+                 "--transfers", "6", "--concurrency", "2", "--verify", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["transfers"] == 6 and r["errors"] == {} and r["verified"] is True
+    assert r["bytes_per_transfer"] == 8 * r["page_bytes"] == 8 * 4 * 2 * 2 * 64 * 2 * 16
+    assert r["bytes"] == r["transfers"] * r["bytes_per_transfer"]
+    assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9, rel=1e-2)
+    assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
+    assert r["gbps_per_transfer_min"] <= r["gbps_per_transfer_median"] <= r["gbps_per_transfer_max"]
+
+
+def test_bench_pull_mode() -> None:
+    out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--run-length", "1-2",
+                 "--transfers", "3", "--mode", "pull", "--verify", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    r = json.loads(out.stdout)
+    assert r["mode"] == "pull" and r["transfers"] == 3 and r["verified"] is True
+
+
+def test_bench_exits_nonzero_and_counts_errors_when_transfers_fail(spawn) -> None:
+    pre, dec = spawn("pre", ["name=kv,preset=tiny"]), spawn("dec", ["name=kv,preset=tiny"])
+    out = kvxfer("bench", "--prefill", pre.worker_address, "--decode", dec.worker_address,
+                 "--decode-peer", "127.0.0.1:1", "--pages", "2", "--transfers", "2", "--warmup", "0",
+                 "--timeout", "3", "--json")
+    assert out.returncode == 1
+    r = json.loads(out.stdout)
+    assert r["transfers"] == 0 and r["errors"] == {"UNAVAILABLE": 2}
+
+
+def test_demo_exits_zero() -> None:
+    out = kvxfer("demo")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "demo OK" in out.stdout
+
+
+def test_operations_against_a_daemon(spawn) -> None:
+    d = spawn("ops", ["name=kv,preset=tiny", "name=lat,preset=mla-small"])
+    health = kvxfer("health", "--address", d.worker_address, "--json")
+    assert health.returncode == 0 and json.loads(health.stdout)["status"] == "SERVING"
+    pools = json.loads(kvxfer("pools", "--address", d.worker_address, "--json").stdout)
+    assert [p["name"] for p in pools] == ["kv", "lat"]
+    desc = json.loads(kvxfer("describe", "lat", "--address", d.worker_address, "--json").stdout)
+    assert desc["kind"] == "mla" and len(desc["views"]) == 4 and desc["views"][0]["role"] == "latent"
+    table = kvxfer("describe", "kv", "--address", d.worker_address)
+    assert "k[0]" in table.stdout and "page_bytes" in table.stdout or "B, anchor" in table.stdout
+    missing = kvxfer("describe", "nope", "--address", d.worker_address)
+    assert missing.returncode == 2 and "no pool named 'nope'" in missing.stdout
+    transfers = json.loads(kvxfer("transfers", "--address", d.worker_address, "--json").stdout)
+    assert transfers == []
