@@ -17,9 +17,10 @@ Errors from the daemon arrive as typed ``kvxfer.errors`` exceptions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

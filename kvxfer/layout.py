@@ -20,7 +20,6 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 
@@ -342,7 +341,7 @@ class MambaSpec:
         return tuple(views)
 
 
-PoolSpec = Union[MhaSpec, MlaSpec, MambaSpec]
+PoolSpec = MhaSpec | MlaSpec | MambaSpec
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,16 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
     path = Path(shm_dir) / f"kvxfer-{os.getpid()}-{name}-{secrets.token_hex(4)}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, size_bytes)
-        mapping = mmap.mmap(fd, size_bytes)
+        # Reserve the memory now: a full /dev/shm fails here with ENOSPC, not later
+        # with SIGBUS in the middle of a transfer.
+        os.posix_fallocate(fd, 0, size_bytes)
+        mapping = _map(fd, size_bytes)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise InvalidSpecError(
+            f"cannot allocate {size_bytes} bytes of shared memory for arena {name!r} in "
+            f"{shm_dir}: {exc.strerror}"
+        ) from None
     except BaseException:
         path.unlink(missing_ok=True)
         raise
@@ -87,6 +95,17 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
         arena=name, device="cpu", size_bytes=size_bytes, shm=pb.SharedMemory(path=str(path))
     )
     return Arena(name, "cpu", raw, handle, mapping, path)
+
+
+def _map(fd: int, size_bytes: int) -> mmap.mmap:
+    """Map shared memory with its page tables filled in (MAP_POPULATE).
+
+    Without it, every process faults in each 4 KiB page on first touch, and UCX's
+    cross-process copies pay for those faults inside the transfer (measured: a
+    256 MiB transfer ran at a third of its speed until every page had been touched).
+    """
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size_bytes, flags=flags)
 
 
 def _create_cuda(name: str, size_bytes: int, device: str) -> Arena:
@@ -142,7 +161,7 @@ def attach(handle: pb.MemoryHandle) -> Mapping:
                     f"shared memory {handle.shm.path!r} has {size} bytes, expected "
                     f"{handle.size_bytes}"
                 )
-            mapping = mmap.mmap(fd, size)
+            mapping = _map(fd, size)
         finally:
             os.close(fd)
         return Mapping(torch.frombuffer(mapping, dtype=torch.uint8), mapping)

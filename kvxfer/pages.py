@@ -9,8 +9,8 @@ block, a stretch of pages that is consecutive on both sides is one byte copy:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 from kvxfer.errors import InvalidRangeError, PageOutOfRangeError
 

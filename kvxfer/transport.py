@@ -24,9 +24,10 @@ import os
 import queue
 import select
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from kvxfer.errors import PeerUnavailableError
 
@@ -87,6 +88,7 @@ class UcxEngine:
         self._accepted: list[Any] = []
         self._abandoned: list[tuple[Any, Future[None], Any]] = []
         self._dead: list[Any] = []
+        self._steps = 0
         self._next_ep = 0
         self._stopping = False
         ready: Future[int] = Future()
@@ -107,17 +109,29 @@ class UcxEngine:
         """Open an endpoint to a peer engine's listener."""
         return self._call(lambda: self._connect(host, port)).result(timeout=timeout)
 
-    def send(self, endpoint: EndpointId, buffer: Any, tag: int) -> Future[None]:
-        """Send ``buffer`` (host or CUDA memory) as one tagged message."""
-        fut: Future[None] = Future()
-        self._submit(lambda: self._start(fut, buffer, lambda arr: self._ep(endpoint).tag_send(arr, tag=self._api.UCXXTag(tag))))
-        return fut
+    def send_many(self, endpoint: EndpointId, messages: list[tuple[Any, int]]) -> list[Future[None]]:
+        """Send each ``(buffer, tag)`` (host or CUDA memory) as one tagged message, in order."""
+        futures: list[Future[None]] = [Future() for _ in messages]
 
-    def recv(self, buffer: Any, tag: int) -> Future[None]:
-        """Receive the message tagged ``tag`` straight into ``buffer``."""
-        fut: Future[None] = Future()
-        self._submit(lambda: self._start(fut, buffer, lambda arr: self._worker.tag_recv(arr, tag=self._api.UCXXTag(tag))))
-        return fut
+        def post() -> None:
+            for fut, (buffer, tag) in zip(futures, messages):
+                self._start(fut, buffer,
+                            lambda arr, t=tag: self._ep(endpoint).tag_send(arr, tag=self._api.UCXXTag(t)))
+
+        self._submit(post)
+        return futures
+
+    def recv_many(self, messages: list[tuple[Any, int]]) -> list[Future[None]]:
+        """Post a receive of each ``(buffer, tag)``: the message tagged ``tag`` lands in ``buffer``."""
+        futures: list[Future[None]] = [Future() for _ in messages]
+
+        def post() -> None:
+            for fut, (buffer, tag) in zip(futures, messages):
+                self._start(fut, buffer,
+                            lambda arr, t=tag: self._worker.tag_recv(arr, tag=self._api.UCXXTag(t)))
+
+        self._submit(post)
+        return futures
 
     def close_endpoint(self, endpoint: EndpointId) -> None:
         """Close an endpoint (its unfinished sends fail); safe to call twice."""
@@ -195,7 +209,11 @@ class UcxEngine:
         self._drain_commands()
         self._worker.progress()
         if self._inflight:
-            self._reap()
+            # Requests complete roughly in posting order: look at the oldest few each
+            # time and at all of them now and then, so thousands of posted receives do
+            # not make every progress call O(n).
+            self._steps += 1
+            self._reap(None if self._steps % 64 == 0 else 32)
             return
         if self._worker.arm() and self._commands.empty():
             select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], 0.5)
@@ -212,9 +230,10 @@ class UcxEngine:
                 return
             command()
 
-    def _reap(self) -> None:
+    def _reap(self, limit: int | None) -> None:
+        head = self._inflight if limit is None else self._inflight[:limit]
         still = []
-        for request, fut, keep in self._inflight:
+        for request, fut, keep in head:
             if not request.completed:
                 still.append((request, fut, keep))
                 continue
@@ -224,7 +243,8 @@ class UcxEngine:
                 _settle(fut, PeerUnavailableError(f"UCX request failed: {exc}"))
             else:
                 _settle(fut)
-        self._inflight = still
+        if len(still) != len(head):
+            self._inflight = still + (self._inflight[limit:] if limit is not None else [])
 
     def _start(self, fut: Future[None], buffer: Any, post: Callable[[Any], Any]) -> None:
         if fut.done():

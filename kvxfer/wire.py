@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.v1 import kvxfer_pb2 as pb

@@ -19,13 +19,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer.transport import UcxEngine
-from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.server.config import DaemonConfig
 from kvxfer.server.pools import PoolRegistry
 from kvxfer.server.service import PeerService, WorkerService
 from kvxfer.server.transfers import TransferManager
+from kvxfer.transport import UcxEngine
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvxfer.server")
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import grpc
 
@@ -128,7 +128,7 @@ class PeerLinks:
                 beat = await asyncio.wait_for(call.read(), timeout=3 * self._heartbeat_s + 1)
                 if beat is grpc.aio.EOF:
                     break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             reason = f"no heartbeat for {3 * self._heartbeat_s + 1:.0f}s"
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"

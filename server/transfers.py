@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,12 +53,12 @@ from kvxfer.errors import (
 from kvxfer.integrity import checksum
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
+from kvxfer.server.peers import PeerLinks
+from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.states import TransferRole, TransferState
 from kvxfer.transport import UcxEngine
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire import runs_from_proto, runs_to_proto
-from kvxfer.server.peers import PeerLinks
-from kvxfer.server.pools import Pool, PoolRegistry
 
 log = logging.getLogger("kvxfer.server.transfers")
 
@@ -317,7 +317,7 @@ class TransferManager:
         try:
             async with self._registered:
                 await asyncio.wait_for(self._registered.wait_for(found), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TransferDeadlineError(
                 f"no {verb} for transfer {transfer_id!r} arrived at {self.peer_address} within "
                 f"{timeout:g}s"
@@ -370,7 +370,7 @@ class TransferManager:
         t = self.get(transfer_id)
         try:
             await asyncio.wait_for(t.done.wait(), timeout_s or t.remaining() + 1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TransferDeadlineError(
                 f"transfer {transfer_id!r} is still {t.state.name} after waiting {timeout_s:g}s"
             ) from None
@@ -431,10 +431,9 @@ class TransferManager:
         t.state = TransferState.TRANSFERRING
         t.started = time.monotonic()
         arena = t.pool.arena
-        t.ucx_futures = [
-            self._engine.recv(arena.buffer(c.dst_offset, c.nbytes), tag_base + i)
-            for i, c in enumerate(t.chunks)
-        ]
+        t.ucx_futures = self._engine.recv_many(
+            [(arena.buffer(c.dst_offset, c.nbytes), tag_base + i) for i, c in enumerate(t.chunks)]
+        )
         t.task = asyncio.create_task(self._receive(t, list(t.ucx_futures)), name=f"recv {t.id}")
         return pb.ClaimResponse(tag_base=tag_base, dst_pool=t.pool.name,
                                 dst_runs=runs_to_proto(t.runs))
@@ -458,7 +457,7 @@ class TransferManager:
             raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
         try:
             await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._expire(t)
         if t.state.final:
             return t.status()
@@ -570,26 +569,31 @@ class TransferManager:
             self._fail(t, exc)
 
     async def _send_chunks(self, t: Transfer, endpoint: Any, tag_base: int) -> list[int]:
+        """Send every chunk, at most ``window_bytes`` in flight; the per-chunk checksums."""
         arena = t.pool.arena
         checksums: list[int] = []
-        window: list[tuple[Any, int]] = []
+        pending: deque[tuple[Any, int]] = deque()
         in_flight = 0
-        for i, chunk in enumerate(t.chunks):
-            buffer = arena.buffer(chunk.src_offset, chunk.nbytes)
-            if t.verify:
-                checksums.append(checksum(buffer))
-            fut = self._engine.send(endpoint, buffer, tag_base + i)
-            t.ucx_futures.append(fut)
-            window.append((fut, chunk.nbytes))
-            in_flight += chunk.nbytes
-            while in_flight > self._window_bytes:
-                fut, n = window.pop(0)
-                await asyncio.wrap_future(fut)
-                t.bytes_done += n
-                in_flight -= n
-        for fut, n in window:
+        next_chunk = 0
+        while next_chunk < len(t.chunks) or pending:
+            batch, sizes = [], []
+            while next_chunk < len(t.chunks) and (in_flight < self._window_bytes or not pending):
+                chunk = t.chunks[next_chunk]
+                buffer = arena.buffer(chunk.src_offset, chunk.nbytes)
+                if t.verify:
+                    checksums.append(checksum(buffer))
+                batch.append((buffer, tag_base + next_chunk))
+                sizes.append(chunk.nbytes)
+                in_flight += chunk.nbytes
+                next_chunk += 1
+            if batch:
+                futures = self._engine.send_many(endpoint, batch)
+                t.ucx_futures.extend(futures)
+                pending.extend(zip(futures, sizes))
+            fut, nbytes = pending.popleft()
             await asyncio.wrap_future(fut)
-            t.bytes_done += n
+            t.bytes_done += nbytes
+            in_flight -= nbytes
         t.ucx_futures = []
         return checksums
 

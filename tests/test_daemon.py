@@ -18,7 +18,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvxfer.client import KvxferClient
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import InvalidRangeError, PageOutOfRangeError, PoolNotFoundError, TransferExistsError
+from kvxfer.errors import (
+    InvalidRangeError,
+    PageOutOfRangeError,
+    PoolNotFoundError,
+    TransferExistsError,
+)
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import PageRuns
 from kvxfer.server.config import PRESETS, spec_from_dict

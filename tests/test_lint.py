@@ -1,0 +1,15 @@
+"""The code passes ruff (style, imports, likely bugs) with the project's settings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_ruff_is_clean() -> None:
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "kvxfer", "server", "client", "examples",
+                          "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
