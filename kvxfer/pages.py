@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvxfer.errors import InvalidRangeError, PageOutOfRangeError
 
@@ -113,9 +114,12 @@ class PageRuns:
             )
 
 
-@dataclass(frozen=True)
-class Extent:
-    """One contiguous byte copy: ``nbytes`` from ``src_offset`` to ``dst_offset``."""
+class Extent(NamedTuple):
+    """One contiguous byte copy: ``nbytes`` from ``src_offset`` to ``dst_offset``.
+
+    A named tuple, not a dataclass: a page_size=1 transfer plans thousands of them
+    on the hot path, and tuples are built several times faster.
+    """
 
     src_offset: int
     dst_offset: int

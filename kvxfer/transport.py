@@ -8,6 +8,13 @@ submit sends and receives and get ``concurrent.futures.Future`` objects back.
 The thread polls the worker while requests are in flight (the fast path) and
 sleeps on the worker's event fd when idle, so an idle daemon costs no CPU.
 
+Messages travel in ``MessageBatch``es, one per transfer and direction: the
+thread posts them (sends within a byte window, refilled as sends complete),
+counts the bytes that completed, and settles one future when all are done or
+one failed. Per message the caller's thread does no work at all, which is what
+keeps thousands of small pages (page_size 1) from costing an event-loop wakeup
+each.
+
 Data only ever flows from an endpoint's creator to the listener's owner: a
 sender connects to the receiver's listener; the receiver posts worker-level
 tag receives straight into its pool memory. Tags are chosen by the receiver,
@@ -24,6 +31,7 @@ import os
 import queue
 import select
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -66,6 +74,26 @@ class EndpointId:
     port: int
 
 
+class MessageBatch:
+    """The messages of one transfer in one direction, tracked as a unit.
+
+    ``future`` completes when every message completed, or fails with the first
+    error. ``bytes_done`` counts completed bytes (written by the progress thread,
+    read by anyone). Only the progress thread touches the other fields.
+    """
+
+    def __init__(self, messages: list[tuple[Any, int]], window: int | None,
+                 endpoint: EndpointId | None) -> None:
+        self.future: Future[None] = Future()
+        self.bytes_done = 0
+        self.messages = messages
+        self.window = window
+        self.endpoint = endpoint
+        self.next = 0
+        self.posted: deque[tuple[Any, int, Any]] = deque()
+        self.posted_bytes = 0
+
+
 class UcxEngine:
     """A UCX worker and listener served by one progress thread.
 
@@ -83,12 +111,11 @@ class UcxEngine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._inflight: list[tuple[Any, Future[None], Any]] = []
+        self._batches: list[MessageBatch] = []
         self._endpoints: dict[int, Any] = {}
         self._accepted: list[Any] = []
-        self._abandoned: list[tuple[Any, Future[None], Any]] = []
+        self._abandoned: list[MessageBatch] = []  # their posted requests may still complete
         self._dead: list[Any] = []
-        self._steps = 0
         self._next_ep = 0
         self._stopping = False
         ready: Future[int] = Future()
@@ -109,47 +136,36 @@ class UcxEngine:
         """Open an endpoint to a peer engine's listener."""
         return self._call(lambda: self._connect(host, port)).result(timeout=timeout)
 
-    def send_many(self, endpoint: EndpointId, messages: list[tuple[Any, int]]) -> list[Future[None]]:
-        """Send each ``(buffer, tag)`` (host or CUDA memory) as one tagged message, in order."""
-        futures: list[Future[None]] = [Future() for _ in messages]
+    def send(self, endpoint: EndpointId, messages: list[tuple[Any, int]],
+             window_bytes: int) -> MessageBatch:
+        """Send each ``(buffer, tag)`` as one tagged message, in order, at most
+        ``window_bytes`` in flight (always at least one message)."""
+        batch = MessageBatch(messages, window_bytes, endpoint)
+        self._submit(lambda: self._open(batch))
+        return batch
 
-        def post() -> None:
-            for fut, (buffer, tag) in zip(futures, messages):
-                self._start(fut, buffer,
-                            lambda arr, t=tag: self._ep(endpoint).tag_send(arr, tag=self._api.UCXXTag(t)))
-
-        self._submit(post)
-        return futures
-
-    def recv_many(self, messages: list[tuple[Any, int]]) -> list[Future[None]]:
+    def receive(self, messages: list[tuple[Any, int]]) -> MessageBatch:
         """Post a receive of each ``(buffer, tag)``: the message tagged ``tag`` lands in ``buffer``."""
-        futures: list[Future[None]] = [Future() for _ in messages]
-
-        def post() -> None:
-            for fut, (buffer, tag) in zip(futures, messages):
-                self._start(fut, buffer,
-                            lambda arr, t=tag: self._worker.tag_recv(arr, tag=self._api.UCXXTag(t)))
-
-        self._submit(post)
-        return futures
+        batch = MessageBatch(messages, None, None)
+        self._submit(lambda: self._open(batch))
+        return batch
 
     def close_endpoint(self, endpoint: EndpointId) -> None:
         """Close an endpoint (its unfinished sends fail); safe to call twice."""
         self._submit(lambda: self._close_ep(endpoint.number))
 
-    def abandon(self, futures: list[Future[None]], reason: str) -> None:
-        """Fail ``futures`` now and stop tracking their requests.
+    def abandon(self, batch: MessageBatch, reason: str) -> None:
+        """Fail ``batch`` now, post none of its remaining messages, stop tracking it.
 
-        For requests that will never complete because the peer is gone (without
-        UCX error handling a dead peer's requests just stay pending). Their
-        receives stay posted under tags nobody will send again.
+        For transfers that ended early (abort, deadline, dead peer: without UCX
+        error handling a dead peer's requests just stay pending). Receives already
+        posted stay posted under tags nobody will send again.
         """
-        pending = {id(f) for f in futures}
-        self._submit(lambda: self._abandon(pending, reason))
+        self._submit(lambda: self._abandon(batch, reason))
 
     def inflight(self) -> int:
-        """Requests submitted and not yet complete (a leak check for tests and metrics)."""
-        return len(self._inflight)
+        """Requests posted and not yet complete (a leak check for tests and metrics)."""
+        return sum(len(b.posted) for b in self._batches)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and release UCX resources; unfinished requests fail."""
@@ -208,12 +224,8 @@ class UcxEngine:
     def _step(self) -> None:
         self._drain_commands()
         self._worker.progress()
-        if self._inflight:
-            # Requests complete roughly in posting order: look at the oldest few each
-            # time and at all of them now and then, so thousands of posted receives do
-            # not make every progress call O(n).
-            self._steps += 1
-            self._reap(None if self._steps % 64 == 0 else 32)
+        if self._batches:
+            self._reap()
             return
         if self._worker.arm() and self._commands.empty():
             select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], 0.5)
@@ -230,42 +242,70 @@ class UcxEngine:
                 return
             command()
 
-    def _reap(self, limit: int | None) -> None:
-        head = self._inflight if limit is None else self._inflight[:limit]
-        still = []
-        for request, fut, keep in head:
-            if not request.completed:
-                still.append((request, fut, keep))
-                continue
+    def _open(self, batch: MessageBatch) -> None:
+        if batch.future.done():
+            return
+        self._batches.append(batch)
+        self._post(batch)
+        self._settle_if_finished(batch)
+
+    def _post(self, batch: MessageBatch) -> None:
+        """Post the batch's next messages, as many as its window allows."""
+        messages = batch.messages
+        while batch.next < len(messages) and (
+            batch.window is None or batch.posted_bytes < batch.window or not batch.posted
+        ):
+            buffer, tag = messages[batch.next]
             try:
-                request.check_error()
+                array = self._api_array(buffer)
+                if batch.endpoint is None:
+                    request = self._worker.tag_recv(array, tag=self._api.UCXXTag(tag))
+                else:
+                    request = self._ep(batch.endpoint).tag_send(array, tag=self._api.UCXXTag(tag))
             except Exception as exc:  # noqa: BLE001 - delivered to the waiter
-                _settle(fut, PeerUnavailableError(f"UCX request failed: {exc}"))
-            else:
-                _settle(fut)
-        if len(still) != len(head):
-            self._inflight = still + (self._inflight[limit:] if limit is not None else [])
+                self._fail(batch, PeerUnavailableError(f"UCX request could not start: {exc}"))
+                return
+            batch.next += 1
+            batch.posted.append((request, array.nbytes, (array, buffer)))
+            batch.posted_bytes += array.nbytes
 
-    def _start(self, fut: Future[None], buffer: Any, post: Callable[[Any], Any]) -> None:
-        if fut.done():
-            return
-        try:
-            array = self._api_array(buffer)
-            request = post(array)
-        except Exception as exc:  # noqa: BLE001 - delivered to the waiter
-            _settle(fut, PeerUnavailableError(f"UCX request could not start: {exc}"))
-            return
-        self._inflight.append((request, fut, (array, buffer)))
-
-    def _abandon(self, pending: set[int], reason: str) -> None:
-        still = []
-        for entry in self._inflight:
-            if id(entry[1]) in pending:
-                _settle(entry[1], PeerUnavailableError(reason))
-                self._abandoned.append(entry)
+    def _reap(self) -> None:
+        """Retire completed requests, oldest first (they complete roughly in order)."""
+        for batch in list(self._batches):
+            posted = batch.posted
+            while posted and posted[0][0].completed:
+                request, nbytes, _ = posted.popleft()
+                try:
+                    request.check_error()
+                except Exception as exc:  # noqa: BLE001 - delivered to the waiter
+                    self._fail(batch, PeerUnavailableError(f"UCX request failed: {exc}"))
+                    break
+                batch.bytes_done += nbytes
+                batch.posted_bytes -= nbytes
             else:
-                still.append(entry)
-        self._inflight = still
+                if batch.window is not None:
+                    self._post(batch)
+                self._settle_if_finished(batch)
+
+    def _settle_if_finished(self, batch: MessageBatch) -> None:
+        if batch in self._batches and not batch.posted and batch.next == len(batch.messages):
+            self._batches.remove(batch)
+            batch.messages = []
+            _settle(batch.future)
+
+    def _fail(self, batch: MessageBatch, error: BaseException) -> None:
+        if batch in self._batches:
+            self._batches.remove(batch)
+            # Keep the buffers of requests UCX may still complete alive; forget the rest.
+            self._abandoned = [b for b in self._abandoned
+                               if any(not r.completed for r, _, _ in b.posted)]
+            if batch.posted:
+                self._abandoned.append(batch)
+        batch.messages = batch.messages[: batch.next]
+        _settle(batch.future, error)
+
+    def _abandon(self, batch: MessageBatch, reason: str) -> None:
+        self._fail(batch, PeerUnavailableError(reason))
 
     def _api_array(self, buffer: Any) -> Any:
         from ucxx._lib.arr import Array
@@ -308,9 +348,8 @@ class UcxEngine:
         for ep in self._accepted:
             ep.close()
         self._accepted.clear()
-        for _, fut, _ in self._inflight:
-            _settle(fut, PeerUnavailableError("the UCX engine is shutting down"))
-        self._inflight.clear()
+        for batch in list(self._batches):
+            self._fail(batch, PeerUnavailableError("the UCX engine is shutting down"))
         self._worker.cancel_inflight_requests()
         del self._listener
         del self._worker

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import grpc
@@ -137,5 +138,9 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
 
 def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     """Entry point for ``kvxfer serve``: run the daemon, return the exit code."""
+    # The UCX thread busy-polls while requests are in flight, holding the GIL between
+    # polls; with the default 5 ms switch interval the asyncio thread (gRPC replies,
+    # Claim/Commit) waited up to 2.2 ms at p99 for it here, 0.24 ms at 0.2 ms.
+    sys.setswitchinterval(0.0002)
     asyncio.run(serve(config, ready_file))
     return 0

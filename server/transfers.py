@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +56,7 @@ from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
 from kvxfer.server.peers import PeerLinks
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.states import TransferRole, TransferState
-from kvxfer.transport import UcxEngine
+from kvxfer.transport import MessageBatch, UcxEngine
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire import runs_from_proto, runs_to_proto
 
@@ -113,20 +113,26 @@ class Transfer:
     created_unix: float = field(default_factory=time.time)
     started: float | None = None
     finished: float | None = None
-    bytes_done: int = 0
     chunks: tuple[Extent, ...] = ()
     error: KvxferError | None = None
     verified: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[Any] | None = None
-    ucx_futures: list[Any] = field(default_factory=list)
+    batch: MessageBatch | None = None
     timer: asyncio.TimerHandle | None = None
 
     @property
     def bytes_total(self) -> int:
         """Bytes the transfer moves."""
         return self.runs.num_pages * self.pool.descriptor.page_bytes
+
+    @property
+    def bytes_done(self) -> int:
+        """Bytes of this transfer whose UCX messages completed."""
+        if self.batch is not None:
+            return self.batch.bytes_done
+        return self.bytes_total if self.state == TransferState.DONE else 0
 
     def remaining(self) -> float:
         """Seconds to the deadline (0 when past it)."""
@@ -267,10 +273,8 @@ class TransferManager:
             t.timer.cancel()
         if t.task is not None and t.task is not asyncio.current_task():
             t.task.cancel()
-        pending = [f for f in t.ucx_futures if not f.done()]
-        if pending:
-            self._engine.abandon(pending, f"transfer {t.id!r} ended: {t.state.name}")
-        t.ucx_futures = []
+        if t.batch is not None and error is not None:
+            self._engine.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
         t.done.set()
         t.arrived.set()
         role = t.role.name.lower()
@@ -431,18 +435,16 @@ class TransferManager:
         t.state = TransferState.TRANSFERRING
         t.started = time.monotonic()
         arena = t.pool.arena
-        t.ucx_futures = self._engine.recv_many(
+        t.batch = self._engine.receive(
             [(arena.buffer(c.dst_offset, c.nbytes), tag_base + i) for i, c in enumerate(t.chunks)]
         )
-        t.task = asyncio.create_task(self._receive(t, list(t.ucx_futures)), name=f"recv {t.id}")
+        t.task = asyncio.create_task(self._receive(t, t.batch), name=f"recv {t.id}")
         return pb.ClaimResponse(tag_base=tag_base, dst_pool=t.pool.name,
                                 dst_runs=runs_to_proto(t.runs))
 
-    async def _receive(self, t: Transfer, futures: list[Any]) -> None:
+    async def _receive(self, t: Transfer, batch: MessageBatch) -> None:
         try:
-            for chunk, fut in zip(t.chunks, futures):
-                await asyncio.wrap_future(fut)
-                t.bytes_done += chunk.nbytes
+            await asyncio.wrap_future(batch.future)
             if self._corrupt:
                 view = t.pool.arena.raw[t.chunks[0].dst_offset]
                 view.bitwise_not_()
@@ -569,32 +571,20 @@ class TransferManager:
             self._fail(t, exc)
 
     async def _send_chunks(self, t: Transfer, endpoint: Any, tag_base: int) -> list[int]:
-        """Send every chunk, at most ``window_bytes`` in flight; the per-chunk checksums."""
+        """Send every chunk (at most ``window_bytes`` in flight); the per-chunk checksums.
+
+        Checksums are computed in a worker thread while UCX sends: both only read
+        the source pages.
+        """
         arena = t.pool.arena
+        buffers = [arena.buffer(c.src_offset, c.nbytes) for c in t.chunks]
+        t.batch = self._engine.send(
+            endpoint, [(b, tag_base + i) for i, b in enumerate(buffers)], self._window_bytes
+        )
         checksums: list[int] = []
-        pending: deque[tuple[Any, int]] = deque()
-        in_flight = 0
-        next_chunk = 0
-        while next_chunk < len(t.chunks) or pending:
-            batch, sizes = [], []
-            while next_chunk < len(t.chunks) and (in_flight < self._window_bytes or not pending):
-                chunk = t.chunks[next_chunk]
-                buffer = arena.buffer(chunk.src_offset, chunk.nbytes)
-                if t.verify:
-                    checksums.append(checksum(buffer))
-                batch.append((buffer, tag_base + next_chunk))
-                sizes.append(chunk.nbytes)
-                in_flight += chunk.nbytes
-                next_chunk += 1
-            if batch:
-                futures = self._engine.send_many(endpoint, batch)
-                t.ucx_futures.extend(futures)
-                pending.extend(zip(futures, sizes))
-            fut, nbytes = pending.popleft()
-            await asyncio.wrap_future(fut)
-            t.bytes_done += nbytes
-            in_flight -= nbytes
-        t.ucx_futures = []
+        if t.verify:
+            checksums = await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
+        await asyncio.wrap_future(t.batch.future)
         return checksums
 
     # -- shutdown ------------------------------------------------------------------------
