@@ -12,13 +12,18 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from kvxfer.memory import remove_stale_arenas
+
 
 class LocalDaemon:
     """A ``kvxfer serve`` subprocess on loopback; a context manager that always stops it."""
 
     def __init__(self, name: str, pool_flags: list[str], *, workdir: str | None = None,
                  env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 log_level: str = "warning") -> None:
+                 log_level: str = "warning", host: str = "127.0.0.1",
+                 command_prefix: list[str] | None = None) -> None:
+        """``host`` is the address the peer port and UCX listen on; ``command_prefix``
+        wraps the command (e.g. ``ip netns exec NS`` to run it in a network namespace)."""
         self.name = name
         self._tmp = tempfile.TemporaryDirectory(prefix=f"kvxfer-{name}-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
@@ -26,9 +31,9 @@ class LocalDaemon:
         self._ready = self.workdir / f"{name}.ready.json"
         self.log_path = self.workdir / f"{name}.log"
         self.args = [
-            sys.executable, "-m", "kvxfer.client.cli", "serve",
+            *(command_prefix or []), sys.executable, "-m", "kvxfer.client.cli", "serve",
             "--worker-address", f"unix://{self.workdir / (name + '.sock')}",
-            "--peer-address", "127.0.0.1:0", "--ucx-host", "127.0.0.1",
+            "--peer-address", f"{host}:0", "--ucx-host", host,
             "--ready-file", str(self._ready), "--log-level", log_level,
             *[a for p in pool_flags for a in ("--pool", p)], *(extra_args or []),
         ]
@@ -75,13 +80,16 @@ class LocalDaemon:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
+        remove_stale_arenas(pid=self.process.pid)
         return self.process.returncode
 
     def kill(self) -> None:
-        """SIGKILL the daemon and reap it."""
+        """SIGKILL the daemon, reap it, and delete the shared memory it could not."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
+        if self.process is not None:
+            remove_stale_arenas(pid=self.process.pid)
 
     def __enter__(self) -> LocalDaemon:
         return self.start()

@@ -5,13 +5,17 @@ pools); a worker *attaches* to it from the ``MemoryHandle`` the daemon
 advertises and gets a tensor over the very same bytes (zero copy).
 
 - CPU: a file in ``/dev/shm`` (owner-only permissions), mapped with mmap. The
-  daemon unlinks it on close, so no file outlives the daemon.
+  daemon unlinks it on close, and holds an exclusive ``flock`` on it while it
+  lives, so the file of a daemon that was killed (SIGKILL, OOM) is recognisably
+  stale: ``remove_stale_arenas`` (run at every daemon start) deletes it. The
+  lock works across PID namespaces, unlike checking whether a pid is alive.
 - CUDA: ``torch.empty`` on the device, shared with CUDA IPC handles, the same
   mechanism ``torch.multiprocessing`` uses.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import secrets
@@ -35,6 +39,8 @@ class Arena:
     handle: pb.MemoryHandle
     _mmap: mmap.mmap | None = None
     _path: Path | None = None
+    _host: Any = None
+    _lock_fd: int | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -43,15 +49,22 @@ class Arena:
 
     def buffer(self, offset: int, nbytes: int) -> Any:
         """An object UCX can send from or receive into: ``nbytes`` at ``offset``, zero copy."""
-        piece = self.raw[offset : offset + nbytes]
-        return piece.numpy() if piece.device.type == "cpu" else piece
+        if self.raw.device.type != "cpu":
+            return self.raw[offset : offset + nbytes]
+        if self._host is None:
+            self._host = self.raw.numpy()  # slicing numpy is ~10x cheaper than torch
+        return self._host[offset : offset + nbytes]
 
     def close(self) -> None:
         """Release the memory; the shm file is unlinked first so it never outlives us."""
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self.raw = torch.empty(0, dtype=torch.uint8)
+        self._host = None
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -71,30 +84,63 @@ def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/s
     raise InvalidSpecError(f"device={device!r} is not supported; expected 'cpu' or 'cuda:N'")
 
 
+SHM_PREFIX = "kvxfer-"
+
+
 def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
-    path = Path(shm_dir) / f"kvxfer-{os.getpid()}-{name}-{secrets.token_hex(4)}"
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    token = f"{os.getpid()}-{name}-{secrets.token_hex(4)}"
+    # Created and locked under a name the stale-file sweep ignores, then renamed:
+    # a sweep running in another daemon can never take a file that is being born.
+    tmp = Path(shm_dir) / f".{SHM_PREFIX}{token}"
+    path = Path(shm_dir) / f"{SHM_PREFIX}{token}"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Reserve the memory now: a full /dev/shm fails here with ENOSPC, not later
         # with SIGBUS in the middle of a transfer.
         os.posix_fallocate(fd, 0, size_bytes)
         mapping = _map(fd, size_bytes)
+        os.rename(tmp, path)
     except OSError as exc:
-        path.unlink(missing_ok=True)
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
         raise InvalidSpecError(
             f"cannot allocate {size_bytes} bytes of shared memory for arena {name!r} in "
             f"{shm_dir}: {exc.strerror}"
         ) from None
     except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    finally:
         os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     handle = pb.MemoryHandle(
         arena=name, device="cpu", size_bytes=size_bytes, shm=pb.SharedMemory(path=str(path))
     )
-    return Arena(name, "cpu", raw, handle, mapping, path)
+    return Arena(name, "cpu", raw, handle, mapping, path, _lock_fd=fd)
+
+
+def remove_stale_arenas(shm_dir: str = "/dev/shm", pid: int | None = None) -> list[tuple[Path, int]]:
+    """Delete arena files whose daemon is gone (nobody holds their lock): ``(path, bytes)`` each.
+
+    ``pid`` limits the sweep to the files one daemon process created.
+    """
+    removed: list[tuple[Path, int]] = []
+    pattern = f"{SHM_PREFIX}{pid}-*" if pid is not None else f"{SHM_PREFIX}*"
+    for path in Path(shm_dir).glob(pattern):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue  # gone already, or not ours to touch
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its daemon is alive
+        else:
+            removed.append((path, os.fstat(fd).st_size))
+            path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _map(fd: int, size_bytes: int) -> mmap.mmap:

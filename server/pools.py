@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import PoolNotFoundError
 from kvxfer.layout import pack_arena
-from kvxfer.memory import Arena, create_arena
+from kvxfer.memory import Arena, create_arena, remove_stale_arenas
 from kvxfer.pages import Extent, PageRuns, map_extents
 from kvxfer.server.config import ArenaConfig
 
@@ -43,6 +44,10 @@ class PoolRegistry:
     def __init__(self, arenas: tuple[ArenaConfig, ...], shm_dir: str = "/dev/shm") -> None:
         self._arenas: list[Arena] = []
         self._pools: dict[str, Pool] = {}
+        if any(cfg.device == "cpu" for cfg in arenas) and Path(shm_dir).is_dir():
+            for path, nbytes in remove_stale_arenas(shm_dir):
+                log.warning("removed %s (%d bytes): left by a daemon that died without "
+                            "cleaning up", path, nbytes)
         try:
             for cfg in arenas:
                 layouts, size = pack_arena([p.spec for p in cfg.pools])

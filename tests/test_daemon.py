@@ -113,8 +113,24 @@ def test_sigterm_exits_zero_and_leaves_no_shared_memory(spawn) -> None:
     assert shm.exists()
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert stat.S_IMODE(shm.stat().st_mode) == 0o600
-    assert d.stop() == 0
+    d.process.send_signal(signal.SIGTERM)  # not d.stop(): that would also sweep the file
+    assert d.process.wait(20) == 0
     assert not shm.exists() and not sock.exists()
+
+
+def test_a_killed_daemons_shared_memory_is_removed_by_the_next_daemon(spawn) -> None:
+    a = spawn("a", [TINY])
+    with KvxferClient(a.worker_address) as kv:
+        _, memory = kv.describe("kv")
+    shm = Path(memory.shm.path)
+    spawn("b", [TINY])
+    assert shm.exists(), "a live daemon's arena must survive another daemon's start-up sweep"
+    a.process.kill()
+    a.process.wait(10)
+    assert shm.exists()  # SIGKILL: the daemon had no chance to unlink it
+    c = spawn("c", [TINY])
+    assert not shm.exists()
+    assert "left by a daemon that died" in c.log()
 
 
 def test_sigint_also_shuts_down_cleanly(spawn) -> None:
