@@ -1,0 +1,117 @@
+"""Two "hosts": daemons in separate network namespaces joined by a veth pair.
+
+The prefill daemon lives in namespace A (10.R.S.1), the decode daemon in B
+(10.R.S.2); each sees only its end of the veth and its own loopback, so gRPC
+between them and the UCX data plane (forced to tcp) cross the veth link, as
+they would cross a NIC between nodes. The test client stays in the root
+namespace and reaches both daemons over their unix sockets (pathname sockets
+are not bound to a network namespace). Needs root and iproute2; skipped
+otherwise, with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pool_checks import assert_moved, fill_random, standard_runs
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.spawn import LocalDaemon
+
+POOL = "name=kv,preset=llama8b,num_pages=128"
+
+
+@dataclass(frozen=True)
+class Host:
+    """One end of the veth pair: a namespace, its interface and address."""
+
+    netns: str
+    device: str
+    address: str
+
+    def exec_prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns]
+
+    def rx_bytes(self) -> int:
+        out = subprocess.run([*self.exec_prefix(), "cat", f"/sys/class/net/{self.device}/statistics/rx_bytes"],
+                             capture_output=True, text=True, timeout=10, check=True)
+        return int(out.stdout)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10, check=True)
+
+
+@pytest.fixture
+def two_hosts() -> Iterator[tuple[Host, Host]]:
+    """Namespaces A and B with a veth pair between them; deleted at teardown."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network-namespace tests need root and iproute2 (ip)")
+    tag = secrets.token_hex(3)
+    subnet = f"10.{random.randint(100, 250)}.{random.randint(0, 255)}"
+    a = Host(f"kvx-a-{tag}", f"kva{tag}", f"{subnet}.1")
+    b = Host(f"kvx-b-{tag}", f"kvb{tag}", f"{subnet}.2")
+    made: list[str] = []
+    try:
+        for host in (a, b):
+            _ip("netns", "add", host.netns)
+            made.append(host.netns)
+        _ip("link", "add", a.device, "type", "veth", "peer", "name", b.device)
+        for host in (a, b):
+            _ip("link", "set", host.device, "netns", host.netns)
+            _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.device)
+            _ip("-n", host.netns, "link", "set", host.device, "up")
+            _ip("-n", host.netns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        for netns in made:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.strip()}")
+    try:
+        yield a, b
+    finally:
+        for netns in made:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+
+
+def namespaced_daemon(name: str, host: Host, workdir: Path) -> LocalDaemon:
+    return LocalDaemon(
+        name, [POOL], workdir=str(workdir / name), host=host.address,
+        command_prefix=host.exec_prefix(),
+        env={"UCX_NET_DEVICES": host.device, "UCX_TLS": "tcp"},
+    )
+
+
+def test_push_and_pull_across_a_veth_link(two_hosts, tmp_path: Path) -> None:
+    a, b = two_hosts
+    with namespaced_daemon("prefill", a, tmp_path) as pre, namespaced_daemon("decode", b, tmp_path) as dec:
+        assert pre.peer_address.startswith(a.address) and dec.peer_address.startswith(b.address)
+        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+                p.attach("kv") as src, d.attach("kv") as dst:
+            fill_random(src, 21)
+            rx_before = b.rx_bytes()
+            src_runs, dst_runs = standard_runs(21, num_pages=128, pages=48)
+            before = dst.raw.clone()
+            d.expect("veth-push", "kv", dst_runs, timeout_s=60)
+            p.push("veth-push", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+            sent, got = p.wait("veth-push", timeout_s=60), d.wait("veth-push", timeout_s=60)
+            assert sent.ok and got.ok, (sent.error, got.error)
+            assert got.verified
+            assert_moved(src, dst, src_runs, dst_runs, before)
+            moved = got.bytes
+            assert b.rx_bytes() - rx_before >= moved, "the pages did not cross the veth link"
+
+            src_runs, dst_runs = standard_runs(22, num_pages=128, pages=16)
+            before = dst.raw.clone()
+            p.offer("veth-pull", "kv", src_runs, timeout_s=60, verify=True)
+            d.pull("veth-pull", pre.peer_address, "kv", dst_runs, timeout_s=60)
+            sent, got = p.wait("veth-pull", timeout_s=60), d.wait("veth-pull", timeout_s=60)
+            assert sent.ok and got.ok, (sent.error, got.error)
+            assert_moved(src, dst, src_runs, dst_runs, before)
