@@ -26,6 +26,7 @@ ucxx is imported lazily: importing kvxfer does not load UCX.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -53,6 +54,28 @@ def apply_ucx_defaults() -> None:
     """Set kvxfer's UCX defaults unless the operator already set them. Call before UCX loads."""
     for key, value in UCX_DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+def _find_request_cancel() -> Callable[[int], None] | None:
+    """``ucxx::RequestTag::cancel()`` from libucxx, which ucxx's Python API does not expose.
+
+    Without it a receive posted for a transfer that then failed stays posted for
+    the daemon's lifetime, and a message of that transfer still in flight could
+    land in its pages after the failure was reported. Called with the C++ object
+    pointer that ``UCXRequest.ucxx_ptr`` gives. None (and the old behaviour) if
+    this libucxx build lacks the symbol.
+    """
+    try:
+        import libucxx
+
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(libucxx.__file__), "lib64", "libucxx.so"))
+        cancel = lib["_ZN4ucxx10RequestTag6cancelEv"]
+    except (ImportError, OSError, AttributeError) as exc:
+        log.warning("cannot cancel UCX requests (%s): receives of failed transfers stay posted", exc)
+        return None
+    cancel.argtypes = [ctypes.c_void_p]
+    cancel.restype = None
+    return cancel
 
 
 def _settle(fut: Future[None], error: BaseException | None = None) -> None:
@@ -114,7 +137,9 @@ class UcxEngine:
         self._batches: list[MessageBatch] = []
         self._endpoints: dict[int, Any] = {}
         self._accepted: list[Any] = []
-        self._abandoned: list[MessageBatch] = []  # their posted requests may still complete
+        self._abandoned: list[MessageBatch] = []  # failed; some requests not yet complete
+        self._cancel = _find_request_cancel()
+        self._posted = 0
         self._dead: list[Any] = []
         self._next_ep = 0
         self._stopping = False
@@ -163,9 +188,9 @@ class UcxEngine:
         """
         self._submit(lambda: self._abandon(batch, reason))
 
-    def inflight(self) -> int:
-        """Requests posted and not yet complete (a leak check for tests and metrics)."""
-        return sum(len(b.posted) for b in self._batches)
+    def posted_requests(self) -> int:
+        """UCX requests posted and not yet complete, failed transfers' included (a leak gauge)."""
+        return self._posted
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and release UCX resources; unfinished requests fail."""
@@ -224,6 +249,8 @@ class UcxEngine:
     def _step(self) -> None:
         self._drain_commands()
         self._worker.progress()
+        if self._abandoned:
+            self._reap_abandoned()
         if self._batches:
             self._reap()
             return
@@ -266,6 +293,7 @@ class UcxEngine:
                 self._fail(batch, PeerUnavailableError(f"UCX request could not start: {exc}"))
                 return
             batch.next += 1
+            self._posted += 1
             batch.posted.append((request, array.nbytes, (array, buffer)))
             batch.posted_bytes += array.nbytes
 
@@ -275,6 +303,7 @@ class UcxEngine:
             posted = batch.posted
             while posted and posted[0][0].completed:
                 request, nbytes, _ = posted.popleft()
+                self._posted -= 1
                 try:
                     request.check_error()
                 except Exception as exc:  # noqa: BLE001 - delivered to the waiter
@@ -296,16 +325,27 @@ class UcxEngine:
     def _fail(self, batch: MessageBatch, error: BaseException) -> None:
         if batch in self._batches:
             self._batches.remove(batch)
-            # Keep the buffers of requests UCX may still complete alive; forget the rest.
-            self._abandoned = [b for b in self._abandoned
-                               if any(not r.completed for r, _, _ in b.posted)]
             if batch.posted:
+                # Unmatched receives are cancelled; a message UCX already matched still
+                # completes (within the sender's window). Their buffers stay referenced
+                # until then.
+                if self._cancel is not None:
+                    for request, _, _ in batch.posted:
+                        if not request.completed:
+                            self._cancel(request.ucxx_ptr)
                 self._abandoned.append(batch)
         batch.messages = batch.messages[: batch.next]
         _settle(batch.future, error)
 
     def _abandon(self, batch: MessageBatch, reason: str) -> None:
         self._fail(batch, PeerUnavailableError(reason))
+
+    def _reap_abandoned(self) -> None:
+        for batch in self._abandoned:
+            while batch.posted and batch.posted[0][0].completed:
+                batch.posted.popleft()
+                self._posted -= 1
+        self._abandoned = [b for b in self._abandoned if b.posted]
 
     def _api_array(self, buffer: Any) -> Any:
         from ucxx._lib.arr import Array

@@ -65,6 +65,8 @@ log = logging.getLogger("kvxfer.server.transfers")
 TRANSFERS = Counter("kvxfer_transfers", "Finished transfers", ["role", "state"])
 BYTES = Counter("kvxfer_bytes", "Bytes moved by finished transfers", ["role"])
 ACTIVE = Gauge("kvxfer_active_transfers", "Transfers not yet final", ["role"])
+POSTED = Gauge("kvxfer_ucx_posted_requests",
+               "UCX sends and receives posted and not yet complete (0 when idle)")
 
 CHUNK_BITS = 24
 #: Set on a receiving daemon (tests only) to flip one byte of every transfer it receives.
@@ -179,6 +181,7 @@ class TransferManager:
     ) -> None:
         self._pools = pools
         self._engine = engine
+        POSTED.set_function(engine.posted_requests)
         self.peer_address = peer_address
         self._chunk_bytes = chunk_bytes
         self._window_bytes = window_bytes

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import random
+import re
+import socket
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,6 +21,12 @@ from kvxfer.states import TransferState
 
 STANDARD = "name=kv,preset=llama8b"  # 32 layers, 8 heads, 128 dim, bf16, 2 MiB pages, 512 pages
 SMALL = "name=kv,preset=llama8b,num_pages=64"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +243,34 @@ def test_killing_the_sender_fails_the_receiver_fast(pair, spawn) -> None:
         pytest.skip("the transfer completed before the kill landed")
     assert got.error_code == "UNAVAILABLE"
     assert time.monotonic() - start < 10
+
+
+def posted_requests(metrics_port: int) -> float:
+    """The daemon's kvxfer_ucx_posted_requests gauge, read from its Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    return float(re.search(r"^kvxfer_ucx_posted_requests (\S+)$", text, re.M).group(1))
+
+
+def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:
+    port = free_port()
+    dec = spawn("decode-metrics", [STANDARD], extra_args=["--metrics-port", str(port)])
+    doomed = spawn("doomed-sender-2", [STANDARD])
+    with KvxferClient(dec.worker_address) as d, KvxferClient(doomed.worker_address) as s:
+        d.expect("cut", "kv", PageRuns.of([(0, 512)]), timeout_s=60)
+        s.push("cut", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=60)
+        deadline = time.monotonic() + 20
+        while d.transfers()[-1].state == TransferState.WAITING:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        posted_while_running = posted_requests(port)
+        doomed.kill()
+        got = d.wait("cut", timeout_s=30)
+        if got.ok:
+            pytest.skip("the transfer completed before the kill landed")
+        assert got.error_code == "UNAVAILABLE"
+        assert posted_while_running > 0
+        deadline = time.monotonic() + 5
+        while posted_requests(port) > 0:
+            assert time.monotonic() < deadline, f"{posted_requests(port)} receives still posted"
+            time.sleep(0.05)
