@@ -1,33 +1,48 @@
-"""kvxfer transfer bandwidth against ucx_perftest, measured in the same run.
+"""kvxfer transfer bandwidth against ucx_perftest over the same UCX protocol, in one run.
 
-Starts two daemons on loopback, moves the standard workload (128 pages of a
+Starts two daemons on loopback and moves the standard workload (128 pages of a
 llama-8B-like pool, 2 MiB pages, seeded random runs of 1-16 pages; 256 MiB per
-transfer) repeatedly and reports the median GB/s seen by the client (push call
-to both waits returning). Then it measures ``ucx_perftest -t tag_bw`` (from the
-libucx wheel) with the same message size and UCX settings, and the page_size=1
-variant (128 KiB pages, the same bytes), and prints the ratios:
+transfer) and its page_size=1 variant (2048 pages of 128 KiB, the same bytes),
+timing each transfer as a client sees it (expect call to both waits returning).
 
-    kvxfer / ucx_perftest      (target >= 0.9), with UCX error handling on and off
-    page_size 1 / page_size 16 (target >= 0.8)
+The reference is ``ucx_perftest -t tag_bw`` (from the libucx wheel) over the
+protocol and transport UCX picked for kvxfer's own sends: the benchmark runs
+both with ``UCX_PROTO_INFO=y``, reads which protocol served kvxfer's messages
+(e.g. "rendezvous zero-copy fenced write to remote" over tcp/lo), restricts
+ucx_perftest to that transport and prints both, so the comparison is checked,
+not assumed. ucx_perftest runs without ``-e``: with ``-e`` it connects by worker
+address and UCX falls back to eager copy-in/copy-out on tcp, a protocol kvxfer
+never uses (its listener-created endpoints keep rendezvous zero-copy).
 
-ucx_perftest resends one cache-resident buffer, so it is optimistic; a single
-256 MiB message (the same bytes as one transfer) is measured as a second reference.
+ucx_perftest resends one buffer from private memory, which flatters it; one 256
+MiB message (the bytes of a whole transfer) is the second reference, and the
+third is the kernel's own ceiling for the transport on kvxfer's kind of memory
+(``kernel_copy.py``: process_vm_writev for cma, a loopback socket for tcp,
+between /dev/shm mappings, 2 MiB per syscall).
+The machine is shared and noisy, so the cases run interleaved, round by round,
+and each ratio is the median of the per-round ratios:
 
-usage: python benchmarks/transfer_bandwidth.py [--tls tcp] [--repeats 7] [--json]
-The machine is shared and noisy: compare ratios, not absolute figures.
+    kvxfer page_size 16 / ucx_perftest, same protocol, same message size (target >= 0.9)
+    kvxfer page_size 16 / the kernel copy ceiling on the same memory
+    kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
+
+usage: python benchmarks/transfer_bandwidth.py [--rounds 5] [--eh on|off|both] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
-import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,114 +53,209 @@ from kvxfer.client.bench import random_runs
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.transport import UCX_DEFAULTS
 
+#: The UCX transport names of a protocol row mapped to what UCX_TLS must allow.
+TLS_OF = {"tcp": "tcp", "cma": "cma,tcp", "posix": "posix,tcp", "sysv": "sysv,tcp", "knem": "knem,tcp"}
 
-def ucx_env(tls: str | None) -> dict[str, str]:
+
+def ucx_env() -> dict[str, str]:
     """The UCX settings both kvxfer and ucx_perftest run with."""
-    env = {"UCX_NET_DEVICES": "lo", **UCX_DEFAULTS}
-    if tls:
-        env["UCX_TLS"] = tls
-    return env
+    return {"UCX_NET_DEVICES": "lo", **UCX_DEFAULTS}
 
 
-def perftest_gbps(message_bytes: int, iterations: int, env: dict[str, str],
-                  error_handling: bool) -> float:
-    """``ucx_perftest -t tag_bw`` bandwidth between two processes on loopback, in GB/s."""
+def _size(text: str) -> float:
+    text = text.strip()
+    if text == "inf":
+        return float("inf")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    return float(text.rstrip("KMG")) * scale
+
+
+def protocol_for(log: str, message_bytes: int) -> str:
+    """'protocol over transport' that served plain tag sends of this size, from UCX_PROTO_INFO.
+
+    UCX prints a table per endpoint configuration; an endpoint made through a
+    listener starts on a tcp-only configuration and switches to its final one once
+    wired up, so the last table printed is the one the data moved with.
+    """
+    found = ""
+    in_table = False
+    for line in log.splitlines():
+        if "|" not in line:
+            continue
+        if "tagged message by ucp_tag_send*" in line:
+            in_table = "ucp_tag_send* from host memory" in line
+            continue
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if not in_table or len(cells) != 3:
+            continue
+        low, _, high = cells[0].partition("..")
+        if _size(low) <= message_bytes <= _size(high or low):
+            found = f"{cells[1].removeprefix('(?) ')} over {cells[2]}"
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[float, str]:
+    """``ucx_perftest -t tag_bw`` on loopback: (GB/s overall, the protocols its client used)."""
     import libucx
 
     root = Path(libucx.__file__).parent
-    full_env = {**os.environ, **env, "LD_LIBRARY_PATH": str(root / "lib")}
-    port = str(random.randint(20000, 30000))
-    eh = ["-e"] if error_handling else []
-    server = subprocess.Popen([str(root / "bin/ucx_perftest"), "-p", port, *eh], env=full_env,
+    full_env = {**os.environ, **env, "LD_LIBRARY_PATH": str(root / "lib"), "UCX_PROTO_INFO": "y"}
+    port = str(free_port())
+    server = subprocess.Popen([str(root / "bin/ucx_perftest"), "-p", port], env=full_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(1.0)
         out = subprocess.run(
-            [str(root / "bin/ucx_perftest"), "127.0.0.1", "-p", port, *eh, "-t", "tag_bw",
-             "-s", str(message_bytes), "-n", str(iterations)],
+            [str(root / "bin/ucx_perftest"), "127.0.0.1", "-p", port, "-t", "tag_bw",
+             "-s", str(message_bytes), "-n", str(iterations), "-w", "2"],
             env=full_env, capture_output=True, text=True, timeout=120, check=True,
-        ).stdout
+        )
     finally:
         server.kill()
         server.wait(10)
-    final = [line for line in out.splitlines() if line.startswith("Final:")][-1]
-    fields = re.split(r"\s+", final.strip())
-    mb_per_s = float(fields[6])  # bandwidth (MB/s), overall; ucx_perftest's MB is 2**20 bytes
-    return mb_per_s * 2**20 / 1e9
+    final = [line for line in out.stdout.splitlines() if line.startswith("Final:")][-1]
+    mb_per_s = float(final.split()[6])  # bandwidth overall, in MB/s of 2**20 bytes
+    return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
-def kvxfer_gbps(preset: str, pages_per_transfer: int, repeats: int, env: dict[str, str],
-                chunk_bytes: int, error_handling: bool) -> list[float]:
-    """GB/s of each measured push of the standard workload (after one warm-up)."""
+def kernel_copy_gbps(path: str, piece: int) -> float:
+    """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_copy.py")), path,
+                          "--piece", str(piece), "--repeats", "3"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return float(json.loads(out)["gbps_median"])
+
+
+@dataclass
+class Pair:
+    """A running prefill/decode daemon pair with a pool of one preset."""
+
+    prefill: LocalDaemon
+    decode: LocalDaemon
+    sender: KvxferClient
+    receiver: KvxferClient
+    num_pages: int
+    pages_per_transfer: int
+    rng: random.Random
+    count: int = 0
+
+    def transfer_gbps(self) -> float:
+        """Move one transfer of seeded random runs; its GB/s as the client saw it."""
+        src = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
+        dst = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
+        self.count += 1
+        tid = f"bw-{self.count}"
+        start = time.perf_counter()
+        self.receiver.expect(tid, "kv", dst, timeout_s=120)
+        self.sender.push(tid, "kv", src, peer=self.decode.peer_address, timeout_s=120)
+        sent, got = self.sender.wait(tid, timeout_s=120), self.receiver.wait(tid, timeout_s=120)
+        elapsed = time.perf_counter() - start
+        if not (sent.ok and got.ok):
+            raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
+        return got.bytes / elapsed / 1e9
+
+
+@contextlib.contextmanager
+def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
+                chunk_bytes: int, error_handling: bool) -> Iterator[Pair]:
+    """Two daemons with pool ``kv`` of ``preset``; the source pages hold random bytes."""
     pool = f"name=kv,preset={preset}"
     args = ["--chunk-bytes", str(chunk_bytes),
             "--ucx-error-handling" if error_handling else "--no-ucx-error-handling"]
+    env = {**env, "UCX_PROTO_INFO": "y"}
     with LocalDaemon("prefill", [pool], env=env, extra_args=args) as pre, \
             LocalDaemon("decode", [pool], env=env, extra_args=args) as dec, \
             KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             p.attach("kv") as src:
-        src.raw.copy_(torch.frombuffer(bytearray(np.random.default_rng(0).bytes(src.raw.numel())),
-                                       dtype=torch.uint8))
-        num_pages = src.descriptor.num_pages
-        rng = random.Random(0)
-        rates = []
-        for i in range(repeats + 1):
-            src_runs = random_runs(rng, list(range(num_pages)), pages_per_transfer, (1, 16))
-            dst_runs = random_runs(rng, list(range(num_pages)), pages_per_transfer, (1, 16))
-            tid = f"bw-{i}"
-            start = time.perf_counter()
-            d.expect(tid, "kv", dst_runs, timeout_s=120)
-            p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=120)
-            sent, got = p.wait(tid, timeout_s=120), d.wait(tid, timeout_s=120)
-            elapsed = time.perf_counter() - start
-            if not (sent.ok and got.ok):
-                raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
-            if i:
-                rates.append(got.bytes / elapsed / 1e9)
-        return rates
+        noise = np.random.default_rng(0).bytes(src.raw.numel())
+        src.raw.copy_(torch.frombuffer(bytearray(noise), dtype=torch.uint8))
+        pair = Pair(pre, dec, p, d, src.descriptor.num_pages, pages_per_transfer, random.Random(0))
+        pair.transfer_gbps()  # warm-up: connection set-up, first-touch of UCX resources
+        yield pair
+
+
+def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int) -> dict[str, object]:
+    """Interleaved rounds of kvxfer ps16, kvxfer ps1 and ucx_perftest for one error-handling mode."""
+    env = ucx_env()
+    samples: dict[str, list[float]] = {k: [] for k in ("kvxfer_ps16", "kvxfer_ps1", "perftest_chunk",
+                                                       "perftest_256MiB", "perftest_128KiB",
+                                                       "kernel_copy")}
+    ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
+                                      "kvxfer_vs_kernel_copy": [], "ps1_vs_ps16": [],
+                                      "perftest_128KiB_vs_chunk": []}
+    with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling) as ps16, \
+            daemon_pair("llama8b-ps1", 2048, env, chunk_bytes, error_handling) as ps1:
+        kvxfer_protocol = protocol_for(ps16.prefill.log(), chunk_bytes)
+        transport = kvxfer_protocol.rpartition(" over ")[2].split("/")[0]
+        if transport not in TLS_OF:
+            raise RuntimeError(f"cannot tell which transport kvxfer used: {kvxfer_protocol!r}")
+        pt_env = {**env, "UCX_TLS": TLS_OF[transport]}
+        perftest_protocols: set[str] = set()
+        for _ in range(rounds):
+            a = statistics.median(ps16.transfer_gbps() for _ in range(per_round))
+            b = statistics.median(ps1.transfer_gbps() for _ in range(per_round))
+            ref, protos = perftest(chunk_bytes, 2000, pt_env)
+            ref_big, _ = perftest(256 << 20, 20, pt_env)
+            ref_small, _ = perftest(128 << 10, 20000, pt_env)
+            kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes)
+            perftest_protocols.add(protos)
+            for name, value in (("kvxfer_ps16", a), ("kvxfer_ps1", b), ("perftest_chunk", ref),
+                                ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
+                                ("kernel_copy", kernel)):
+                samples[name].append(value)
+            ratios["kvxfer_vs_perftest"].append(a / ref)
+            ratios["kvxfer_vs_perftest_256MiB"].append(a / ref_big)
+            ratios["kvxfer_vs_kernel_copy"].append(a / kernel)
+            ratios["ps1_vs_ps16"].append(b / a)
+            ratios["perftest_128KiB_vs_chunk"].append(ref_small / ref)
+    result: dict[str, object] = {
+        "kvxfer_protocol": kvxfer_protocol,
+        "perftest_protocol": " / ".join(sorted(perftest_protocols)),
+        "perftest_UCX_TLS": pt_env["UCX_TLS"],
+        "kernel_copy_path": "tcp socket" if transport == "tcp" else "process_vm_writev",
+        "same_protocol": perftest_protocols == {kvxfer_protocol},
+    }
+    for name, values in samples.items():
+        result[f"{name}_gbps_median"] = round(statistics.median(values), 3)
+        result[f"{name}_gbps_rounds"] = [round(v, 3) for v in values]
+    for name, values in ratios.items():
+        result[f"ratio_{name}"] = round(statistics.median(values), 3)
+    return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tls", help="UCX_TLS for both kvxfer and ucx_perftest (default: UCX picks)")
-    parser.add_argument("--repeats", type=int, default=7, help="measured transfers per case (>= 5)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 5 for the note)")
+    parser.add_argument("--per-round", type=int, default=3, help="kvxfer transfers per case and round")
+    parser.add_argument("--eh", choices=("on", "off", "both"), default="both",
+                        help="UCX error handling on the daemons (default: both, on first)")
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20,
-                        help="kvxfer's message size and ucx_perftest's (default 2 MiB)")
+                        help="kvxfer's largest message and ucx_perftest's message size (default 2 MiB)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
-    env = ucx_env(args.tls)
-    result: dict[str, object] = {"tls": args.tls or "default", "chunk_bytes": args.chunk_bytes,
-                                 "repeats": args.repeats}
-    medians: dict[str, float] = {}
-
-    def record(name: str, values: list[float]) -> None:
-        medians[name] = statistics.median(values)
-        result[f"{name}_gbps_median"] = round(medians[name], 3)
-        result[f"{name}_gbps_all"] = [round(v, 3) for v in values]
-
-    for eh in (True, False):
-        tag = "eh_on" if eh else "eh_off"
-        record(f"kvxfer_ps16_{tag}", kvxfer_gbps("llama8b", 128, args.repeats, env,
-                                                 args.chunk_bytes, eh))
-        record(f"kvxfer_ps1_{tag}", kvxfer_gbps("llama8b-ps1", 2048, args.repeats, env,
-                                                args.chunk_bytes, eh))
-        record(f"perftest_{tag}", [perftest_gbps(args.chunk_bytes, 2000, env, eh) for _ in range(3)])
-    # One 256 MiB message: the same bytes as a transfer, walking memory instead of
-    # resending one cache-resident buffer.
-    record("perftest_256MiB_eh_off", [perftest_gbps(256 << 20, 20, env, False) for _ in range(3)])
-    for tag in ("eh_on", "eh_off"):
-        result[f"ratio_kvxfer_vs_perftest_{tag}"] = round(
-            medians[f"kvxfer_ps16_{tag}"] / medians[f"perftest_{tag}"], 3)
-        result[f"ratio_ps1_vs_ps16_{tag}"] = round(
-            medians[f"kvxfer_ps1_{tag}"] / medians[f"kvxfer_ps16_{tag}"], 3)
-    result["ratio_kvxfer_eh_off_vs_perftest_256MiB"] = round(
-        medians["kvxfer_ps16_eh_off"] / medians["perftest_256MiB_eh_off"], 3)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.eh]
+    result: dict[str, object] = {"chunk_bytes": args.chunk_bytes, "rounds": args.rounds,
+                                 "per_round": args.per_round}
+    for eh in modes:
+        result[f"eh_{'on' if eh else 'off'}"] = run_mode(eh, args.rounds, args.per_round,
+                                                         args.chunk_bytes)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key:28s} {value}")
+        return 0
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(f"== UCX error handling {key.removeprefix('eh_')}")
+            for name, figure in value.items():
+                print(f"  {name:34s} {figure}")
+        else:
+            print(f"{key:36s} {value}")
     return 0
 
 
