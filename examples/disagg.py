@@ -25,6 +25,9 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,17 +64,42 @@ def _clear(cache: RequestCache) -> None:
         cache.ssm.temporal[:, cache.slot] = 0  # type: ignore[index]
 
 
-def prefill_worker(args: argparse.Namespace) -> None:
-    """Prefill every request, print its first token, push its cache, wait for the pushes."""
+@dataclass
+class Worker:
+    """What both worker processes start from: the model, the requests, the client and
+    the attached pools (``ssm`` only for the hybrid flavour)."""
+
+    cfg: ModelConfig
+    model: TinyModel
+    requests: list[dict[str, Any]]
+    client: Any
+    kv: Any
+    ssm: Any
+
+
+@contextmanager
+def _worker(args: argparse.Namespace) -> Iterator[Worker]:
+    """Build the model, attach to the local daemon's pools; detach and close on exit."""
     from kvxfer.client import KvxferClient
-    from kvxfer.pages import PageRuns
 
     cfg = ModelConfig(flavour=args.flavour)
-    model = TinyModel(cfg)
-    requests = json.loads(args.requests)
-    with KvxferClient(args.address) as kv_client:
-        kv = kv_client.attach("kv")
-        ssm = kv_client.attach("ssm") if cfg.flavour == "hybrid" else None
+    with KvxferClient(args.address) as client:
+        kv = client.attach("kv")
+        ssm = client.attach("ssm") if cfg.flavour == "hybrid" else None
+        try:
+            yield Worker(cfg, TinyModel(cfg), json.loads(args.requests), client, kv, ssm)
+        finally:
+            kv.detach()
+            if ssm is not None:
+                ssm.detach()
+
+
+def prefill_worker(args: argparse.Namespace) -> None:
+    """Prefill every request, print its first token, push its cache, wait for the pushes."""
+    from kvxfer.pages import PageRuns
+
+    with _worker(args) as w:
+        cfg, model, requests, kv_client, kv, ssm = w.cfg, w.model, w.requests, w.client, w.kv, w.ssm
         tables = _allocate(model, [len(r["prompt"]) for r in requests], seed=1)
         ids = []
         for slot, (req, table) in enumerate(zip(requests, tables)):
@@ -89,22 +117,14 @@ def prefill_worker(args: argparse.Namespace) -> None:
                 ids.append(f"{req['id']}/ssm")
         states = {i: kv_client.wait(i, timeout_s=60).state.name for i in ids}
         print(json.dumps({"pushed": states}), flush=True)
-        kv.detach()
-        if ssm is not None:
-            ssm.detach()
 
 
 def decode_worker(args: argparse.Namespace) -> None:
     """Expect every request's cache in our own pages, wait, then generate greedily."""
-    from kvxfer.client import KvxferClient
     from kvxfer.pages import PageRuns
 
-    cfg = ModelConfig(flavour=args.flavour)
-    model = TinyModel(cfg)
-    requests = json.loads(args.requests)
-    with KvxferClient(args.address) as kv_client:
-        kv = kv_client.attach("kv")
-        ssm = kv_client.attach("ssm") if cfg.flavour == "hybrid" else None
+    with _worker(args) as w:
+        cfg, model, requests, kv_client, kv, ssm = w.cfg, w.model, w.requests, w.client, w.kv, w.ssm
         lengths = [len(r["prompt"]) + r["new_tokens"] for r in requests]
         tables = _allocate(model, lengths, seed=2)
         slots = list(range(cfg.num_slots - 1, cfg.num_slots - 1 - len(requests), -1))
@@ -133,9 +153,6 @@ def decode_worker(args: argparse.Namespace) -> None:
                 logits_seen.append(logits.tolist())
             results[req["id"]] = {"tokens": tokens, "logits": logits_seen}
         print(json.dumps(results), flush=True)
-        kv.detach()
-        if ssm is not None:
-            ssm.detach()
 
 
 def reference(flavour: str, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
