@@ -93,7 +93,13 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
     # a sweep running in another daemon can never take a file that is being born.
     tmp = Path(shm_dir) / f".{SHM_PREFIX}{token}"
     path = Path(shm_dir) / f"{SHM_PREFIX}{token}"
-    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as exc:
+        raise InvalidSpecError(
+            f"cannot create shared memory for arena {name!r} in {shm_dir!r}: {exc.strerror}; "
+            f"shm_dir must be an existing, writable tmpfs directory such as /dev/shm"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Reserve the memory now: a full /dev/shm fails here with ENOSPC, not later
