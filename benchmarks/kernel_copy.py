@@ -7,7 +7,7 @@ pools are (a MAP_SHARED|MAP_POPULATE file in /dev/shm, 4 KiB pages), walking
 syscall per piece. It is the reference ``transfer_bandwidth.py`` reports beside
 ucx_perftest, which resends one cache-resident buffer from private memory.
 
-usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5]
+usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5] [--shm-dir D]
 Prints one JSON object: {"path": ..., "gbps": [...], "gbps_median": ...}.
 """
 
@@ -30,9 +30,12 @@ class IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
 
+SHM_DIR = "/dev/shm"  #: set by --shm-dir (a tmpfs mounted with huge=always gives 2 MiB pages)
+
+
 def shm_buffer(nbytes: int) -> mmap.mmap:
-    """A populated shared mapping of a /dev/shm file, as a kvxfer arena is."""
-    with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="kvxfer-bench-") as f:
+    """A populated shared mapping of a file in SHM_DIR, as a kvxfer arena is."""
+    with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="kvxfer-bench-") as f:
         os.posix_fallocate(f.fileno(), 0, nbytes)
         return mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
 
@@ -125,7 +128,10 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, default=256 << 20)
     parser.add_argument("--piece", type=int, default=2 << 20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shm-dir", default="/dev/shm", help="where the buffers' files live")
     args = parser.parse_args()
+    global SHM_DIR
+    SHM_DIR = args.shm_dir
     rates = measure(args.path, args.bytes, args.piece, args.repeats)
     print(json.dumps({"path": args.path, "gbps": [round(r, 3) for r in rates],
                       "gbps_median": round(statistics.median(rates), 3)}))

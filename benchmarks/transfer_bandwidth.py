@@ -124,10 +124,10 @@ def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[
     return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
-def kernel_copy_gbps(path: str, piece: int) -> float:
+def kernel_copy_gbps(path: str, piece: int, shm_dir: str) -> float:
     """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_copy.py")), path,
-                          "--piece", str(piece), "--repeats", "3"],
+                          "--piece", str(piece), "--repeats", "3", "--shm-dir", shm_dir],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return float(json.loads(out)["gbps_median"])
 
@@ -163,10 +163,10 @@ class Pair:
 
 @contextlib.contextmanager
 def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
-                chunk_bytes: int, error_handling: bool) -> Iterator[Pair]:
+                chunk_bytes: int, error_handling: bool, shm_dir: str) -> Iterator[Pair]:
     """Two daemons with pool ``kv`` of ``preset``; the source pages hold random bytes."""
     pool = f"name=kv,preset={preset}"
-    args = ["--chunk-bytes", str(chunk_bytes),
+    args = ["--chunk-bytes", str(chunk_bytes), "--shm-dir", shm_dir,
             "--ucx-error-handling" if error_handling else "--no-ucx-error-handling"]
     env = {**env, "UCX_PROTO_INFO": "y"}
     with LocalDaemon("prefill", [pool], env=env, extra_args=args) as pre, \
@@ -180,7 +180,8 @@ def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
         yield pair
 
 
-def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int) -> dict[str, object]:
+def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int,
+             shm_dir: str) -> dict[str, object]:
     """Interleaved rounds of kvxfer ps16, kvxfer ps1 and ucx_perftest for one error-handling mode."""
     env = ucx_env()
     samples: dict[str, list[float]] = {k: [] for k in ("kvxfer_ps16", "kvxfer_ps1", "perftest_chunk",
@@ -189,8 +190,8 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
     ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
                                       "kvxfer_vs_kernel_copy": [], "ps1_vs_ps16": [],
                                       "perftest_128KiB_vs_chunk": []}
-    with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling) as ps16, \
-            daemon_pair("llama8b-ps1", 2048, env, chunk_bytes, error_handling) as ps1:
+    with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir) as ps16, \
+            daemon_pair("llama8b-ps1", 2048, env, chunk_bytes, error_handling, shm_dir) as ps1:
         kvxfer_protocol = protocol_for(ps16.prefill.log(), chunk_bytes)
         transport = kvxfer_protocol.rpartition(" over ")[2].split("/")[0]
         if transport not in TLS_OF:
@@ -203,7 +204,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             ref, protos = perftest(chunk_bytes, 2000, pt_env)
             ref_big, _ = perftest(256 << 20, 20, pt_env)
             ref_small, _ = perftest(128 << 10, 20000, pt_env)
-            kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes)
+            kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes, shm_dir)
             perftest_protocols.add(protos)
             for name, value in (("kvxfer_ps16", a), ("kvxfer_ps1", b), ("perftest_chunk", ref),
                                 ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
@@ -238,14 +239,17 @@ def main() -> int:
                         help="UCX error handling on the daemons (default: both, on first)")
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20,
                         help="kvxfer's largest message and ucx_perftest's message size (default 2 MiB)")
+    parser.add_argument("--shm-dir", default="/dev/shm",
+                        help="the daemons' and the kernel copy's shared-memory directory; a tmpfs "
+                             "mounted with huge=always backs pools with 2 MiB pages (default /dev/shm)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.eh]
     result: dict[str, object] = {"chunk_bytes": args.chunk_bytes, "rounds": args.rounds,
-                                 "per_round": args.per_round}
+                                 "per_round": args.per_round, "shm_dir": args.shm_dir}
     for eh in modes:
         result[f"eh_{'on' if eh else 'off'}"] = run_mode(eh, args.rounds, args.per_round,
-                                                         args.chunk_bytes)
+                                                         args.chunk_bytes, args.shm_dir)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

@@ -50,6 +50,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                        help="pool preset for --spawn: llama8b (2 MiB pages, the standard workload), "
                             "llama8b-ps1 (128 KiB pages), tiny, mla-small (default llama8b)")
     where.add_argument("--num-pages", type=int, help="pool size for --spawn (default: the preset's)")
+    where.add_argument("--shm-dir", help="shared-memory directory for --spawn's daemons, e.g. a "
+                                         "tmpfs mounted with huge=always (default /dev/shm)")
+    where.add_argument("--no-ucx-error-handling", dest="ucx_error_handling", action="store_false",
+                       help="start --spawn's daemons without UCX peer error handling (see README)")
     work = p.add_argument_group("workload")
     work.add_argument("--pages", type=int, default=128, help="pages per transfer (default 128)")
     work.add_argument("--run-length", default="1-16",
@@ -140,8 +144,13 @@ def run_bench(args: argparse.Namespace) -> int:
             if args.num_pages:
                 spec += f",num_pages={args.num_pages}"
             stderr.print(f"starting a prefill and a decode daemon ({args.preset}) on loopback ...")
-            pre = stack.enter_context(LocalDaemon("prefill", [spec]))
-            dec = stack.enter_context(LocalDaemon("decode", [spec]))
+            extra = [*(["--shm-dir", args.shm_dir] if args.shm_dir else []),
+                     *([] if args.ucx_error_handling else ["--no-ucx-error-handling"])]
+            try:
+                pre = stack.enter_context(LocalDaemon("prefill", [spec], extra_args=extra))
+                dec = stack.enter_context(LocalDaemon("decode", [spec], extra_args=extra))
+            except (RuntimeError, TimeoutError) as exc:
+                raise SystemExit(f"bench: could not start the daemons: {exc}") from None
             args.prefill, args.decode = pre.worker_address, dec.worker_address
             args.decode_peer, args.prefill_peer = dec.peer_address, pre.peer_address
         if not (args.prefill and args.decode):

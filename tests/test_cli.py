@@ -75,3 +75,19 @@ def test_operations_against_a_daemon(spawn) -> None:
     assert missing.returncode == 2 and "no pool named 'nope'" in missing.stdout
     transfers = json.loads(kvxfer("transfers", "--address", d.worker_address, "--json").stdout)
     assert transfers == []
+
+
+def test_bench_spawns_its_daemons_in_the_given_shm_dir(tmp_path) -> None:
+    shm_dir = tmp_path / "shm"
+    missing = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--transfers", "1",
+                     "--shm-dir", str(shm_dir), "--json")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert "cannot create shared memory for arena 'kv'" in missing.stderr
+    assert str(shm_dir) in missing.stderr and "Traceback" not in missing.stderr
+
+    shm_dir.mkdir()
+    out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--transfers", "2",
+                 "--shm-dir", str(shm_dir), "--no-ucx-error-handling", "--verify", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.loads(out.stdout)["verified"] is True
+    assert list(shm_dir.iterdir()) == []  # the daemons removed their arenas on exit
