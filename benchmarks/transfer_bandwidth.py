@@ -166,11 +166,11 @@ def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
                 chunk_bytes: int, error_handling: bool, shm_dir: str) -> Iterator[Pair]:
     """Two daemons with pool ``kv`` of ``preset``; the source pages hold random bytes."""
     pool = f"name=kv,preset={preset}"
-    args = ["--chunk-bytes", str(chunk_bytes), "--shm-dir", shm_dir,
+    args = ["--chunk-bytes", str(chunk_bytes),
             "--ucx-error-handling" if error_handling else "--no-ucx-error-handling"]
     env = {**env, "UCX_PROTO_INFO": "y"}
-    with LocalDaemon("prefill", [pool], env=env, extra_args=args) as pre, \
-            LocalDaemon("decode", [pool], env=env, extra_args=args) as dec, \
+    with LocalDaemon("prefill", [pool], env=env, extra_args=args, shm_dir=shm_dir) as pre, \
+            LocalDaemon("decode", [pool], env=env, extra_args=args, shm_dir=shm_dir) as dec, \
             KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             p.attach("kv") as src:
         noise = np.random.default_rng(0).bytes(src.raw.numel())

@@ -144,11 +144,11 @@ def run_bench(args: argparse.Namespace) -> int:
             if args.num_pages:
                 spec += f",num_pages={args.num_pages}"
             stderr.print(f"starting a prefill and a decode daemon ({args.preset}) on loopback ...")
-            extra = [*(["--shm-dir", args.shm_dir] if args.shm_dir else []),
-                     *([] if args.ucx_error_handling else ["--no-ucx-error-handling"])]
+            extra = [] if args.ucx_error_handling else ["--no-ucx-error-handling"]
+            where = {"shm_dir": args.shm_dir} if args.shm_dir else {}
             try:
-                pre = stack.enter_context(LocalDaemon("prefill", [spec], extra_args=extra))
-                dec = stack.enter_context(LocalDaemon("decode", [spec], extra_args=extra))
+                pre = stack.enter_context(LocalDaemon("prefill", [spec], extra_args=extra, **where))
+                dec = stack.enter_context(LocalDaemon("decode", [spec], extra_args=extra, **where))
             except (RuntimeError, TimeoutError) as exc:
                 raise SystemExit(f"bench: could not start the daemons: {exc}") from None
             args.prefill, args.decode = pre.worker_address, dec.worker_address

@@ -21,10 +21,12 @@ class LocalDaemon:
     def __init__(self, name: str, pool_flags: list[str], *, workdir: str | None = None,
                  env: dict[str, str] | None = None, extra_args: list[str] | None = None,
                  log_level: str = "warning", host: str = "127.0.0.1",
-                 command_prefix: list[str] | None = None) -> None:
+                 command_prefix: list[str] | None = None, shm_dir: str = "/dev/shm") -> None:
         """``host`` is the address the peer port and UCX listen on; ``command_prefix``
-        wraps the command (e.g. ``ip netns exec NS`` to run it in a network namespace)."""
+        wraps the command (e.g. ``ip netns exec NS`` to run it in a network namespace);
+        ``shm_dir`` is where its CPU pools live (swept of its files if it is killed)."""
         self.name = name
+        self.shm_dir = shm_dir
         self._tmp = tempfile.TemporaryDirectory(prefix=f"kvxfer-{name}-") if workdir is None else None
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -34,7 +36,7 @@ class LocalDaemon:
             *(command_prefix or []), sys.executable, "-m", "kvxfer.client.cli", "serve",
             "--worker-address", f"unix://{self.workdir / (name + '.sock')}",
             "--peer-address", f"{host}:0", "--ucx-host", host,
-            "--ready-file", str(self._ready), "--log-level", log_level,
+            "--ready-file", str(self._ready), "--log-level", log_level, "--shm-dir", shm_dir,
             *[a for p in pool_flags for a in ("--pool", p)], *(extra_args or []),
         ]
         self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
@@ -80,7 +82,7 @@ class LocalDaemon:
                 self.process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self.kill()
-        remove_stale_arenas(pid=self.process.pid)
+        remove_stale_arenas(self.shm_dir, pid=self.process.pid)
         return self.process.returncode
 
     def kill(self) -> None:
@@ -89,7 +91,7 @@ class LocalDaemon:
             self.process.kill()
             self.process.wait(10)
         if self.process is not None:
-            remove_stale_arenas(pid=self.process.pid)
+            remove_stale_arenas(self.shm_dir, pid=self.process.pid)
 
     def __enter__(self) -> LocalDaemon:
         return self.start()

@@ -133,6 +133,17 @@ def test_a_killed_daemons_shared_memory_is_removed_by_the_next_daemon(spawn) -> 
     assert "left by a daemon that died" in c.log()
 
 
+def test_a_daemon_killed_by_its_launcher_leaves_nothing_in_its_shm_dir(spawn, tmp_path: Path) -> None:
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    d = spawn("a", [TINY], shm_dir=str(shm_dir))
+    with KvxferClient(d.worker_address) as kv:
+        _, memory = kv.describe("kv")
+    assert Path(memory.shm.path).parent == shm_dir
+    d.kill()
+    assert list(shm_dir.iterdir()) == []
+
+
 def test_sigint_also_shuts_down_cleanly(spawn) -> None:
     d = spawn("a", [TINY])
     d.process.send_signal(signal.SIGINT)
