@@ -5,8 +5,12 @@ single thread (UCX workers are not thread-safe, and on 2 cores one progress
 thread is all we can afford). Other threads, such as the daemon's asyncio loop,
 submit sends and receives and get ``concurrent.futures.Future`` objects back.
 
-The thread polls the worker while requests are in flight (the fast path) and
-sleeps on the worker's event fd when idle, so an idle daemon costs no CPU.
+The thread polls the worker while sends are in flight (the sender's progress
+calls are what issue its copies) and otherwise sleeps on the worker's event fd:
+everything a receiver has to do is triggered by a message arriving, which wakes
+the fd. A receiving daemon that polled would burn a core and hold the GIL its
+own event loop needs (measured on 2 vCPUs: the receiver's UCX thread went from
+83 % to 10 % of a core over cma, and handling a Claim from 3.9 to 1.4 ms).
 
 Messages travel in ``MessageBatch``es, one per transfer and direction: the
 thread posts them (sends within a byte window, refilled as sends complete),
@@ -253,9 +257,13 @@ class UcxEngine:
             self._reap_abandoned()
         if self._batches:
             self._reap()
-            return
+            if any(batch.endpoint is not None for batch in self._batches):
+                return
         if self._worker.arm() and self._commands.empty():
-            select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], 0.5)
+            # While receives are posted, wake at least every 10 ms anyway: a missed
+            # wake-up then costs a pause, never a hang.
+            timeout = 0.01 if self._batches else 0.5
+            select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], timeout)
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:

@@ -1,0 +1,51 @@
+"""The UCX engine on its own: two real engines (UCX workers, listener, endpoint) in one process."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.transport import UcxEngine
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    """User + system CPU time one thread of this process has used."""
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture
+def engines() -> Iterator[tuple[UcxEngine, UcxEngine]]:
+    receiver, sender = UcxEngine(), UcxEngine()
+    yield receiver, sender
+    sender.close()
+    receiver.close()
+
+
+def test_a_waiting_receiver_sleeps_and_still_gets_its_messages(engines) -> None:
+    receiver, sender = engines
+    dst = np.zeros(4 << 20, dtype=np.uint8)
+    src = np.random.default_rng(1).integers(0, 256, dst.size, dtype=np.uint8)
+    halves = [(dst[: dst.size // 2], 11), (dst[dst.size // 2 :], 12)]
+    batch = receiver.receive(halves)
+    time.sleep(0.2)  # let the progress thread post the receives and settle
+
+    thread_id = receiver._thread.native_id
+    assert thread_id is not None
+    before = thread_cpu_seconds(thread_id)
+    time.sleep(1.0)
+    spent = thread_cpu_seconds(thread_id) - before
+    assert spent < 0.3, f"the receiver's UCX thread used {spent:.2f} s of CPU in 1 s while waiting"
+    assert not batch.future.done()
+
+    endpoint = sender.connect(receiver.host, receiver.port)
+    sent = sender.send(endpoint, [(src[: src.size // 2], 11), (src[src.size // 2 :], 12)], 1 << 20)
+    sent.future.result(timeout=20)
+    batch.future.result(timeout=20)
+    assert batch.bytes_done == dst.size
+    assert np.array_equal(dst, src)
+    assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
