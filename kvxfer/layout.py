@@ -18,6 +18,7 @@ what a ``PoolDescriptor`` carries, so any process rebuilds identical views.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from dataclasses import dataclass
 
@@ -472,7 +473,7 @@ class PoolLayout:
 
     def view_specs(self) -> tuple[ViewSpec, ...]:
         """The views of this pool, with offsets from the start of the raw buffer."""
-        return self.spec.view_specs(self.anchor_bytes)
+        return _view_specs(self.spec, self.anchor_bytes)
 
     def check_fits(self, buffer_bytes: int) -> None:
         """Raise InvalidSpecError unless the pool's region fits a buffer of ``buffer_bytes``."""
@@ -486,6 +487,13 @@ class PoolLayout:
         """Per-layer views of this pool over ``raw``."""
         self.check_fits(raw.numel())
         return build_views(raw, self.view_specs())
+
+
+@functools.lru_cache(maxsize=256)
+def _view_specs(spec: PoolSpec, anchor_bytes: int) -> tuple[ViewSpec, ...]:
+    """Views are a pure function of the spec and anchor; every transfer checks them, so
+    build them once (a 32-layer pool has over a thousand)."""
+    return spec.view_specs(anchor_bytes)
 
 
 def pack_arena(specs: list[PoolSpec], alignment: int = 4096) -> tuple[list[PoolLayout], int]:
