@@ -24,6 +24,10 @@ and each ratio is the median of the per-round ratios:
 
     kvxfer page_size 16 / ucx_perftest, same protocol, same message size (target >= 0.9)
     kvxfer page_size 16 / the kernel copy ceiling on the same memory
+    kvxfer page_size 16, data phase only / the kernel copy ceiling
+
+The data phase is the receiver's ``data_seconds`` (its receives posted to the
+last message arrived); the rest of a transfer is control plane (gRPC calls).
     kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
 
 usage: python benchmarks/transfer_bandwidth.py [--rounds 5] [--eh on|off|both] [--json]
@@ -145,8 +149,9 @@ class Pair:
     rng: random.Random
     count: int = 0
 
-    def transfer_gbps(self) -> float:
-        """Move one transfer of seeded random runs; its GB/s as the client saw it."""
+    def transfer_gbps(self) -> tuple[float, float]:
+        """Move one transfer of seeded random runs: its GB/s as the client saw it, and
+        over the receiver's data phase alone (receives posted to the last arrived)."""
         src = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
         dst = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
         self.count += 1
@@ -158,7 +163,7 @@ class Pair:
         elapsed = time.perf_counter() - start
         if not (sent.ok and got.ok):
             raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
-        return got.bytes / elapsed / 1e9
+        return got.bytes / elapsed / 1e9, got.bytes / got.data_seconds / 1e9
 
 
 @contextlib.contextmanager
@@ -184,11 +189,13 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
              shm_dir: str) -> dict[str, object]:
     """Interleaved rounds of kvxfer ps16, kvxfer ps1 and ucx_perftest for one error-handling mode."""
     env = ucx_env()
-    samples: dict[str, list[float]] = {k: [] for k in ("kvxfer_ps16", "kvxfer_ps1", "perftest_chunk",
+    samples: dict[str, list[float]] = {k: [] for k in ("kvxfer_ps16", "kvxfer_ps16_data",
+                                                       "kvxfer_ps1", "perftest_chunk",
                                                        "perftest_256MiB", "perftest_128KiB",
                                                        "kernel_copy")}
     ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
-                                      "kvxfer_vs_kernel_copy": [], "ps1_vs_ps16": [],
+                                      "kvxfer_vs_kernel_copy": [], "kvxfer_data_vs_kernel_copy": [],
+                                      "ps1_vs_ps16": [],
                                       "perftest_128KiB_vs_chunk": []}
     with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir) as ps16, \
             daemon_pair("llama8b-ps1", 2048, env, chunk_bytes, error_handling, shm_dir) as ps1:
@@ -199,20 +206,25 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
         pt_env = {**env, "UCX_TLS": TLS_OF[transport]}
         perftest_protocols: set[str] = set()
         for _ in range(rounds):
-            a = statistics.median(ps16.transfer_gbps() for _ in range(per_round))
-            b = statistics.median(ps1.transfer_gbps() for _ in range(per_round))
+            runs16 = [ps16.transfer_gbps() for _ in range(per_round)]
+            a = statistics.median(client for client, _ in runs16)
+            a_data = statistics.median(data for _, data in runs16)
+            b = statistics.median(client for client, _ in (ps1.transfer_gbps()
+                                                            for _ in range(per_round)))
             ref, protos = perftest(chunk_bytes, 2000, pt_env)
             ref_big, _ = perftest(256 << 20, 20, pt_env)
             ref_small, _ = perftest(128 << 10, 20000, pt_env)
             kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes, shm_dir)
             perftest_protocols.add(protos)
-            for name, value in (("kvxfer_ps16", a), ("kvxfer_ps1", b), ("perftest_chunk", ref),
+            for name, value in (("kvxfer_ps16", a), ("kvxfer_ps16_data", a_data),
+                                ("kvxfer_ps1", b), ("perftest_chunk", ref),
                                 ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
                                 ("kernel_copy", kernel)):
                 samples[name].append(value)
             ratios["kvxfer_vs_perftest"].append(a / ref)
             ratios["kvxfer_vs_perftest_256MiB"].append(a / ref_big)
             ratios["kvxfer_vs_kernel_copy"].append(a / kernel)
+            ratios["kvxfer_data_vs_kernel_copy"].append(a_data / kernel)
             ratios["ps1_vs_ps16"].append(b / a)
             ratios["perftest_128KiB_vs_chunk"].append(ref_small / ref)
     result: dict[str, object] = {

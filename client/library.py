@@ -55,6 +55,7 @@ class TransferInfo:
     error_code: str
     error: str
     verified: bool
+    data_seconds: float
 
     @property
     def ok(self) -> bool:
@@ -69,6 +70,7 @@ class TransferInfo:
             pool=msg.pool, peer=msg.peer, pages=msg.pages, bytes=msg.bytes,
             bytes_done=msg.bytes_done, extents=msg.extents, seconds=msg.seconds,
             error_code=msg.error_code, error=msg.error, verified=msg.verified,
+            data_seconds=msg.data_seconds,
         )
 
     def as_dict(self) -> dict[str, Any]:

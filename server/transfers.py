@@ -115,6 +115,7 @@ class Transfer:
     created_unix: float = field(default_factory=time.time)
     started: float | None = None
     finished: float | None = None
+    data_finished: float | None = None
     chunks: tuple[Extent, ...] = ()
     error: KvxferError | None = None
     verified: bool = False
@@ -142,9 +143,11 @@ class Transfer:
 
     def status(self) -> pb.TransferStatus:
         """The wire form of this side's status."""
-        seconds = 0.0
+        seconds = data_seconds = 0.0
         if self.started is not None:
             seconds = (self.finished or time.monotonic()) - self.started
+            if self.data_finished is not None:
+                data_seconds = self.data_finished - self.started
         return pb.TransferStatus(
             transfer_id=self.id,
             role=self.role.value,
@@ -160,6 +163,7 @@ class Transfer:
             error=str(self.error) if self.error else "",
             verified=self.verified,
             created_unix=self.created_unix,
+            data_seconds=data_seconds,
         )
 
 
@@ -448,6 +452,7 @@ class TransferManager:
     async def _receive(self, t: Transfer, batch: MessageBatch) -> None:
         try:
             await asyncio.wrap_future(batch.future)
+            t.data_finished = time.monotonic()
             if self._corrupt:
                 view = t.pool.arena.raw[t.chunks[0].dst_offset]
                 view.bitwise_not_()
@@ -588,6 +593,7 @@ class TransferManager:
         if t.verify:
             checksums = await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
         await asyncio.wrap_future(t.batch.future)
+        t.data_finished = time.monotonic()
         return checksums
 
     # -- shutdown ------------------------------------------------------------------------

@@ -53,6 +53,8 @@ def test_standard_workload_push_is_byte_exact(pair) -> None:
         sent, got = p.wait(f"std-{seed}"), d.wait(f"std-{seed}")
         assert sent.ok and got.ok, (sent.error, got.error)
         assert got.verified and got.bytes == 128 * 2 * 2**20
+        for side in (sent, got):  # the data phase is part of, and shorter than, the whole
+            assert 0 < side.data_seconds < side.seconds, (side.data_seconds, side.seconds)
         assert_moved(src, dst, src_runs, dst_runs, before)
 
 

@@ -190,7 +190,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, arena: _Optional[str] = ..., device: _Optional[str] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("transfer_id", "role", "state", "pool", "peer", "pages", "bytes", "bytes_done", "extents", "seconds", "error_code", "error", "verified", "created_unix")
+    __slots__ = ("transfer_id", "role", "state", "pool", "peer", "pages", "bytes", "bytes_done", "extents", "seconds", "error_code", "error", "verified", "created_unix", "data_seconds")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class TransferStatus(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     role: TransferRole
     state: TransferState
@@ -219,7 +220,8 @@ class TransferStatus(_message.Message):
     error: str
     verified: bool
     created_unix: float
-    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., state: _Optional[_Union[TransferState, str]] = ..., pool: _Optional[str] = ..., peer: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., extents: _Optional[int] = ..., seconds: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., verified: _Optional[bool] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    data_seconds: float
+    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., state: _Optional[_Union[TransferState, str]] = ..., pool: _Optional[str] = ..., peer: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., extents: _Optional[int] = ..., seconds: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., verified: _Optional[bool] = ..., created_unix: _Optional[float] = ..., data_seconds: _Optional[float] = ...) -> None: ...
 
 class ListPoolsRequest(_message.Message):
     __slots__ = ()
