@@ -25,10 +25,10 @@ and each ratio is the median of the per-round ratios:
     kvxfer page_size 16 / ucx_perftest, same protocol, same message size (target >= 0.9)
     kvxfer page_size 16 / the kernel copy ceiling on the same memory
     kvxfer page_size 16, data phase only / the kernel copy ceiling
+    kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
 
 The data phase is the receiver's ``data_seconds`` (its receives posted to the
 last message arrived); the rest of a transfer is control plane (gRPC calls).
-    kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
 
 usage: python benchmarks/transfer_bandwidth.py [--rounds 5] [--eh on|off|both] [--json]
 """

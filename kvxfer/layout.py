@@ -491,8 +491,8 @@ class PoolLayout:
 
 @functools.lru_cache(maxsize=256)
 def _view_specs(spec: PoolSpec, anchor_bytes: int) -> tuple[ViewSpec, ...]:
-    """Views are a pure function of the spec and anchor; every transfer checks them, so
-    build them once (a 32-layer pool has over a thousand)."""
+    """Views are a pure function of the spec and anchor; every transfer encodes and
+    checks them, so build them once (a llama-8B pool has 64)."""
     return spec.view_specs(anchor_bytes)
 
 

@@ -378,8 +378,10 @@ class UcxEngine:
 
     def _close_ep(self, number: int) -> None:
         ep = self._endpoints.pop(number, None)
-        if ep is None:
-            return
+        if ep is not None:
+            self._close_if_alive(ep)
+
+    def _close_if_alive(self, ep: Any) -> None:
         if ep.alive:
             ep.close()
         else:
@@ -394,16 +396,13 @@ class UcxEngine:
     def _shutdown(self) -> None:
         for number in list(self._endpoints):
             self._close_ep(number)
-        # Let UCX notice peers that already closed or died: closing an accepted endpoint
-        # whose peer has failed crashes ucxx 0.52 (seen when a test closed the sender first).
+        # Let UCX notice peers that already closed or died, so that _close_if_alive
+        # skips their endpoints (a test that closed the sender first crashed here).
         for _ in range(20):
             self._worker.progress()
             time.sleep(0.001)
         for ep in self._accepted:
-            if ep.alive:
-                ep.close()
-            else:
-                self._dead.append(ep)
+            self._close_if_alive(ep)
         self._accepted.clear()
         for batch in list(self._batches):
             self._fail(batch, PeerUnavailableError("the UCX engine is shutting down"))
