@@ -261,11 +261,14 @@ def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:
     with KvxferClient(dec.worker_address) as d, KvxferClient(doomed.worker_address) as s:
         d.expect("cut", "kv", PageRuns.of([(0, 512)]), timeout_s=60)
         s.push("cut", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=60)
+        # The receives are posted by the UCX thread shortly after the claim: watch the
+        # gauge (not just the state) until they show, while the transfer still runs.
         deadline = time.monotonic() + 20
-        while d.transfers()[-1].state == TransferState.WAITING:
+        posted_while_running = 0.0
+        while posted_while_running == 0 and not d.transfers()[-1].state.final:
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        posted_while_running = posted_requests(port)
+            posted_while_running = posted_requests(port)
         doomed.kill()
         got = d.wait("cut", timeout_s=30)
         if got.ok:
