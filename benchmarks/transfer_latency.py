@@ -1,0 +1,99 @@
+"""kvxfer's fixed cost per transfer: small transfers against a gRPC round trip, in one run.
+
+A short prompt moves few pages, and then a transfer's time is mostly control
+plane: the expect and push calls, the daemons' Claim (and Commit, with verify)
+between each other, and both waits. This starts two daemons on loopback and
+times transfers of 1 and 16 pages of the standard llama-8B-like pool (2 MiB
+pages), from the expect call to both waits returning, with verification off
+(the library's default) and on.
+
+The reference is a trivial gRPC call to the same daemon (``Health.Check``),
+timed in the same rounds, so the figure printed per case is how many such round
+trips a transfer costs; the machine is shared and noisy, so cases run
+interleaved and each ratio is the median of the per-round ratios.
+
+usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh on|off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from transfer_bandwidth import daemon_pair, ucx_env
+
+from kvxfer.client.bench import random_runs
+
+
+def _median_ms(samples: list[float]) -> float:
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--per-round", type=int, default=20, help="samples per case and round")
+    parser.add_argument("--eh", choices=("on", "off"), default="on",
+                        help="UCX error handling on the daemons (default on, the daemon default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    cases = [(pages, verify) for pages in (1, 16) for verify in (False, True)]
+    seconds: dict[str, list[float]] = {"grpc_health": []}
+    per_round: dict[str, list[float]] = {}
+    rng = random.Random(0)
+    with daemon_pair("llama8b", 1, ucx_env(), 4 << 20, args.eh == "on", "/dev/shm") as pair:
+        count = 0
+
+        def one_transfer(pages: int, verify: bool) -> float:
+            nonlocal count
+            count += 1
+            tid = f"lat-{count}"
+            src = random_runs(rng, list(range(pair.num_pages)), pages, (1, 16))
+            dst = random_runs(rng, list(range(pair.num_pages)), pages, (1, 16))
+            start = time.perf_counter()
+            pair.receiver.expect(tid, "kv", dst, timeout_s=30)
+            pair.sender.push(tid, "kv", src, peer=pair.decode.peer_address, timeout_s=30,
+                             verify=verify)
+            sent, got = pair.sender.wait(tid, timeout_s=30), pair.receiver.wait(tid, timeout_s=30)
+            elapsed = time.perf_counter() - start
+            if not (sent.ok and got.ok):
+                raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
+            return elapsed
+
+        def one_health() -> float:
+            start = time.perf_counter()
+            pair.receiver.health()
+            return time.perf_counter() - start
+
+        for _ in range(args.rounds):
+            health = [one_health() for _ in range(args.per_round)]
+            seconds["grpc_health"] += health
+            for pages, verify in cases:
+                name = f"pages{pages}_verify_{'on' if verify else 'off'}"
+                samples = [one_transfer(pages, verify) for _ in range(args.per_round)]
+                seconds.setdefault(name, []).extend(samples)
+                per_round.setdefault(name, []).append(
+                    statistics.median(samples) / statistics.median(health))
+
+    result: dict[str, object] = {"eh": args.eh, "rounds": args.rounds, "per_round": args.per_round,
+                                 "page_bytes": 2 << 20}
+    for name, values in seconds.items():
+        result[f"{name}_ms_median"] = _median_ms(values)
+    for name, values in per_round.items():
+        result[f"ratio_{name}_vs_grpc_health"] = round(statistics.median(values), 1)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:44s} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
