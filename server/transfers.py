@@ -7,13 +7,16 @@ exceeded) that both sides learn.
 Push (``expect`` on the decode daemon D, ``push`` on the prefill daemon P, in
 either order):
 
-1. P opens a session with D (``peers.PeerLinks``) and calls ``Claim``.
-2. D waits for the matching ``expect``, checks the layouts, plans the chunks,
-   posts one UCX receive per chunk straight into the destination pages and
-   answers with the tag base.
-3. P plans the same chunks, sends them from the source pages (a bounded window
-   in flight), then calls ``Commit`` with per-chunk checksums.
-4. D waits for every chunk, verifies, and answers with the final status.
+1. P opens a session with D (``peers.PeerLinks``): the handshake tells D every
+   pool P serves, so a ``Claim`` names its source pool instead of describing it.
+2. P calls ``Claim``. D waits for the matching ``expect``, checks the layouts,
+   plans the chunks, posts one UCX receive per chunk straight into the
+   destination pages and answers with the tag base.
+3. P plans the same chunks and sends them from the source pages (a bounded
+   window in flight). Without verify, each side is done when its UCX requests
+   complete: D when the last byte arrived, P when its last send completed.
+4. With verify, P then calls ``Commit`` with per-chunk checksums; D checks the
+   bytes that arrived and answers with the final status, which P adopts.
 
 Pull is the same with one step before: ``pull`` on D registers the
 expectation and asks P (``RequestPush``) to push once its ``offer`` is there.
@@ -96,6 +99,14 @@ def _final_state(error: KvxferError) -> TransferState:
     if isinstance(error, TransferAbortedError):
         return TransferState.ABORTED
     return TransferState.FAILED
+
+
+@dataclass(frozen=True)
+class InboundSession:
+    """A peer that opened a session to send to us, as its handshake described it."""
+
+    peer_address: str
+    pools: dict[str, PoolDescriptor]
 
 
 @dataclass(eq=False)
@@ -195,7 +206,7 @@ class TransferManager:
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
         self._registered = asyncio.Condition()
         self._next_tag = random.getrandbits(32)
-        self._inbound: dict[str, str] = {}  # session id -> the sender's peer address
+        self._inbound: dict[str, InboundSession] = {}  # by session id
         # Ids a peer aborted before this side registered them: registering one ends it at once.
         self._aborted_early: OrderedDict[str, str] = OrderedDict()
         self._accepting = True
@@ -410,7 +421,8 @@ class TransferManager:
 
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Accept a session from a peer that will send to us."""
-        self._inbound[request.session_id] = request.peer_address
+        pools = {d.name: PoolDescriptor.from_proto(d) for d in request.pools}
+        self._inbound[request.session_id] = InboundSession(request.peer_address, pools)
         return pb.HandshakeResponse(
             session_id=request.session_id,
             ucx_host=self._engine.host,
@@ -421,15 +433,20 @@ class TransferManager:
 
     async def claim(self, request: pb.ClaimRequest) -> pb.ClaimResponse:
         """A sender asks where ``transfer_id`` goes; post the receives and answer (step 2)."""
-        if request.session_id not in self._inbound:
+        session = self._inbound.get(request.session_id)
+        if session is None:
             raise PeerUnavailableError(f"session {request.session_id[:8]} is unknown; handshake first")
         t = await self._wait_registered(request.transfer_id, TransferRole.RECEIVER,
                                         request.timeout_s or self._default_timeout, "expect")
         self._check_claimable(t)
         t.session_id = request.session_id
-        t.peer = t.peer or self._inbound[request.session_id]
+        t.peer = t.peer or session.peer_address
         try:
-            src = PoolDescriptor.from_proto(request.src_pool)
+            src = session.pools.get(request.src_pool)
+            if src is None:
+                raise IncompatibleLayoutError(
+                    f"sender {session.peer_address} claims from pool {request.src_pool!r}, which "
+                    f"its handshake did not describe (it described {sorted(session.pools)})")
             check_compatible(src, t.pool.descriptor)
             t.chunks = plan_chunks(runs_from_proto(request.src_runs), src.layout, t.runs,
                                    t.pool.descriptor.layout, request.chunk_bytes or self._chunk_bytes)
@@ -456,12 +473,18 @@ class TransferManager:
             if self._corrupt:
                 view = t.pool.arena.raw[t.chunks[0].dst_offset]
                 view.bitwise_not_()
+            if not t.verify:
+                self._finish(t)  # every byte is in place; no Commit will come
             t.arrived.set()
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._fail(t, exc)
 
     async def commit(self, request: pb.CommitRequest) -> pb.TransferStatus:
-        """The sender sent everything; wait for the bytes, verify, and answer (step 4)."""
+        """The sender sent everything; wait for the bytes, verify, and answer (step 4).
+
+        Only verifying senders call this, but answering any sender works: an
+        unverified transfer is already final here once its bytes arrived.
+        """
         t = self.get(request.transfer_id)
         if t.role != TransferRole.RECEIVER or t.session_id != request.session_id:
             raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
@@ -530,7 +553,8 @@ class TransferManager:
 
     def inbound_session_ended(self, session_id: str) -> None:
         """The sender's heartbeat stream to us ended (it died or closed the session)."""
-        peer = self._inbound.get(session_id, "?")
+        session = self._inbound.get(session_id)
+        peer = session.peer_address if session is not None else "?"
         self.session_lost(session_id, f"sender {peer} went away")
 
     # -- the sending side ------------------------------------------------------------
@@ -550,7 +574,7 @@ class TransferManager:
             claim = await link.stub.Claim(
                 pb.ClaimRequest(
                     transfer_id=t.id, session_id=link.session_id,
-                    src_pool=t.pool.descriptor.to_proto(), src_runs=runs_to_proto(t.runs),
+                    src_pool=t.pool.name, src_runs=runs_to_proto(t.runs),
                     timeout_s=t.remaining(), verify=t.verify, chunk_bytes=self._chunk_bytes,
                 ),
                 timeout=t.remaining() + 0.5,
@@ -564,6 +588,9 @@ class TransferManager:
             t.state = TransferState.TRANSFERRING
             t.started = time.monotonic()
             checksums = await self._send_chunks(t, link.endpoint, claim.tag_base)
+            if not t.verify:
+                self._finish(t)
+                return
             status = await link.stub.Commit(
                 pb.CommitRequest(transfer_id=t.id, session_id=link.session_id, checksums=checksums),
                 timeout=t.remaining() + 0.5,

@@ -9,6 +9,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
 from pool_checks import assert_moved, fill_random, standard_runs
@@ -18,6 +19,8 @@ from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
 from kvxfer.server.transfers import FAULT_CORRUPT_ENV
 from kvxfer.states import TransferState
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
 STANDARD = "name=kv,preset=llama8b"  # 32 layers, 8 heads, 128 dim, bf16, 2 MiB pages, 512 pages
 SMALL = "name=kv,preset=llama8b,num_pages=64"
@@ -137,6 +140,27 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> No
         assert torch.equal(odst.raw, before)
 
 
+def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    before = dst.raw.clone()
+    d.expect("ghost-pool", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
+    with grpc.insecure_channel(dec.peer_address) as channel:
+        peer = pb_grpc.KvxferPeerStub(channel)
+        peer.Handshake(pb.HandshakeRequest(session_id="no-pools", ucx_host="127.0.0.1",
+                                           ucx_port=1, ucx_error_handling=True,
+                                           peer_address="127.0.0.1:1"), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            peer.Claim(pb.ClaimRequest(transfer_id="ghost-pool", session_id="no-pools",
+                                       src_pool="kv", src_runs=[pb.PageRun(start=0, count=1)]),
+                       timeout=10)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "did not describe" in refused.value.details()
+    got = d.wait("ghost-pool", timeout_s=10)
+    assert got.error_code == "FAILED_PRECONDITION"
+    assert torch.equal(dst.raw, before)
+    assert p.health() == "SERVING" and d.health() == "SERVING"
+
+
 def test_unequal_page_counts_fail_both_sides(pair) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
@@ -247,11 +271,40 @@ def test_killing_the_sender_fails_the_receiver_fast(pair, spawn) -> None:
     assert time.monotonic() - start < 10
 
 
-def posted_requests(metrics_port: int) -> float:
-    """The daemon's kvxfer_ucx_posted_requests gauge, read from its Prometheus endpoint."""
+def metric(metrics_port: int, sample: str) -> float:
+    """One sample (``name{labels}`` as exposed) from a daemon's Prometheus endpoint; 0 if absent."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         text = reply.read().decode()
-    return float(re.search(r"^kvxfer_ucx_posted_requests (\S+)$", text, re.M).group(1))
+    found = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def posted_requests(metrics_port: int) -> float:
+    """The daemon's kvxfer_ucx_posted_requests gauge."""
+    return metric(metrics_port, "kvxfer_ucx_posted_requests")
+
+
+def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
+    port = free_port()
+    dec = spawn("decode-rpcs", [SMALL], extra_args=["--metrics-port", str(port)])
+    pre = spawn("prefill-rpcs", [SMALL])
+    commits = 'kvxfer_rpcs_total{code="OK",method="Commit"}'
+    claims = 'kvxfer_rpcs_total{code="OK",method="Claim"}'
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 3)
+        for verify in (False, True):
+            tid = f"commit-{verify}"
+            src_runs, dst_runs = PageRuns.of([(1, 3)]), PageRuns.of([(60, 2), (9, 1)])
+            before = dst.raw.clone()
+            d.expect(tid, "kv", dst_runs, timeout_s=30)
+            p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=verify)
+            sent, got = p.wait(tid), d.wait(tid)
+            assert sent.ok and got.ok, (sent.error, got.error)
+            assert got.verified is verify and sent.verified is verify
+            assert_moved(src, dst, src_runs, dst_runs, before)
+        assert metric(port, claims) == 2
+        assert metric(port, commits) == 1
 
 
 def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:

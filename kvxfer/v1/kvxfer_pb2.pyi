@@ -398,12 +398,12 @@ class ClaimRequest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     session_id: str
-    src_pool: PoolDescriptor
+    src_pool: str
     src_runs: _containers.RepeatedCompositeFieldContainer[PageRun]
     timeout_s: float
     verify: bool
     chunk_bytes: int
-    def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[_Union[PoolDescriptor, _Mapping]] = ..., src_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., src_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     __slots__ = ("tag_base", "dst_pool", "dst_runs")
