@@ -34,7 +34,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {
         "worker_address": args.worker_address, "peer_address": args.peer_address,
         "advertise_address": args.advertise_address, "ucx_host": args.ucx_host,
-        "ucx_port": args.ucx_port, "ucx_error_handling": args.ucx_error_handling,
+        "ucx_port": args.ucx_port, "ucx_lanes": args.ucx_lanes,
+        "ucx_error_handling": args.ucx_error_handling,
         "chunk_bytes": args.chunk_bytes, "grace_s": args.grace, "metrics_port": args.metrics_port,
         "shm_dir": args.shm_dir,
     }
@@ -171,7 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--peer-address", help="host:port for peer daemons (default 127.0.0.1:7500; port 0 picks one)")
     s.add_argument("--advertise-address", help="host:port peers should use to reach us, when binding 0.0.0.0")
     s.add_argument("--ucx-host", help="address the UCX listener is reached at (default 127.0.0.1)")
-    s.add_argument("--ucx-port", type=int, help="UCX listener port (default 0: any free port)")
+    s.add_argument("--ucx-port", type=int,
+                   help="UCX listener port of data lane 0; lane i listens on PORT+i (default 0: "
+                        "any free ports)")
+    s.add_argument("--ucx-lanes", type=int,
+                   help="UCX workers, each with its own thread, that move one transfer's chunks "
+                        "side by side (default 2; peers use the smaller count of the two). Over "
+                        "shared memory each lane copies on its own core")
     s.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX peer error handling (default on; every daemon must agree). Off is "
                         "about 2x faster on loopback but a peer that dies mid-transfer over "

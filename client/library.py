@@ -56,6 +56,7 @@ class TransferInfo:
     error: str
     verified: bool
     data_seconds: float
+    lanes: int
 
     @property
     def ok(self) -> bool:
@@ -70,7 +71,7 @@ class TransferInfo:
             pool=msg.pool, peer=msg.peer, pages=msg.pages, bytes=msg.bytes,
             bytes_done=msg.bytes_done, extents=msg.extents, seconds=msg.seconds,
             error_code=msg.error_code, error=msg.error, verified=msg.verified,
-            data_seconds=msg.data_seconds,
+            data_seconds=msg.data_seconds, lanes=msg.lanes,
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from kvxfer.memory import remove_stale_arenas
 
@@ -43,6 +44,7 @@ class LocalDaemon:
         self.process: subprocess.Popen[bytes] | None = None
         self.worker_address = ""
         self.peer_address = ""
+        self.ready_info: dict[str, Any] = {}  # what the daemon wrote to its ready file
 
     @property
     def pid(self) -> int:
@@ -64,8 +66,9 @@ class LocalDaemon:
                 self.kill()
                 raise TimeoutError(f"daemon {self.name} not ready after {timeout_s}s:\n{self.log()}")
             time.sleep(0.05)
-        info = json.loads(self._ready.read_text())
-        self.worker_address, self.peer_address = info["worker_address"], info["peer_address"]
+        self.ready_info = json.loads(self._ready.read_text())
+        self.worker_address = self.ready_info["worker_address"]
+        self.peer_address = self.ready_info["peer_address"]
         return self
 
     def log(self) -> str:

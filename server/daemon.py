@@ -20,11 +20,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvxfer.lanes import UcxLanes
 from kvxfer.server.config import DaemonConfig
 from kvxfer.server.pools import PoolRegistry
 from kvxfer.server.service import PeerService, WorkerService
 from kvxfer.server.transfers import TransferManager
-from kvxfer.transport import UcxEngine
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -90,8 +90,8 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     pools = PoolRegistry(config.arenas, config.shm_dir)
     engine = None
     try:
-        engine = UcxEngine(host=config.ucx_host, port=config.ucx_port,
-                           error_handling=config.ucx_error_handling)
+        engine = UcxLanes(config.ucx_lanes, host=config.ucx_host, port=config.ucx_port,
+                          error_handling=config.ucx_error_handling)
         transfers = TransferManager(
             pools, engine, peer_address=advertise, chunk_bytes=config.chunk_bytes,
             window_bytes=config.window_bytes, heartbeat_s=config.heartbeat_s,
@@ -110,12 +110,13 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
 
             start_http_server(config.metrics_port, addr="127.0.0.1")
         await _set_health(healths, serving=True)
-        log.info("serving pools %s: workers at %s, peers at %s, UCX at %s:%d",
-                 config.pool_names, worker_address, advertise, engine.host, engine.port)
+        log.info("serving pools %s: workers at %s, peers at %s, UCX at %s ports %s",
+                 config.pool_names, worker_address, advertise, engine.host, engine.ports)
         if ready_file:
             Path(ready_file).write_text(json.dumps({
                 "pid": os.getpid(), "worker_address": worker_address,
-                "peer_address": advertise, "ucx_port": engine.port,
+                "peer_address": advertise, "ucx_port": engine.ports[0],
+                "ucx_ports": engine.ports,
             }))
 
         stop = asyncio.Event()

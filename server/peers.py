@@ -1,7 +1,7 @@
 """Sessions with peer daemons: handshake, UCX endpoint, and liveness.
 
 A ``PeerLink`` is this daemon's session with one peer it sends to: a gRPC
-channel, the peer's pool descriptors, a UCX endpoint to its listener, and a
+channel, the peer's pool descriptors, a UCX endpoint per data lane, and a
 ``Watch`` stream of heartbeats. The stream gives both sides liveness: when the
 peer dies its TCP connection resets and the stream fails at once on our side;
 when we die, the peer's stream handler is cancelled. Either way every transfer
@@ -22,7 +22,7 @@ import grpc
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import IncompatibleLayoutError, PeerUnavailableError
-from kvxfer.transport import EndpointId, UcxEngine
+from kvxfer.lanes import LaneEndpoints, UcxLanes
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
@@ -44,7 +44,7 @@ class PeerLink:
     session_id: str
     stub: pb_grpc.KvxferPeerStub
     pools: dict[str, PoolDescriptor]
-    endpoint: EndpointId
+    endpoints: LaneEndpoints
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     lost_reason: str = ""
     watch: asyncio.Task[None] | None = None
@@ -55,7 +55,7 @@ class PeerLinks:
 
     def __init__(
         self,
-        engine: UcxEngine,
+        engine: UcxLanes,
         handshake: Callable[[str], pb.HandshakeRequest],
         on_lost: Callable[[str, str], None],
         heartbeat_s: float,
@@ -106,18 +106,19 @@ class PeerLinks:
                 f"{request.ucx_error_handling}; both daemons must use the same setting"
             )
         pools = {d.name: PoolDescriptor.from_proto(d) for d in reply.pools}
+        ports = list(reply.ucx_ports) or [reply.ucx_port]
         try:
-            endpoint = await asyncio.to_thread(
-                self._engine.connect, reply.ucx_host, reply.ucx_port, max(timeout, 1.0)
+            endpoints = await asyncio.to_thread(
+                self._engine.connect, reply.ucx_host, ports, max(timeout, 1.0)
             )
         except Exception as exc:  # noqa: BLE001 - any UCX failure means unreachable
             raise PeerUnavailableError(
-                f"cannot open UCX endpoint to {reply.ucx_host}:{reply.ucx_port}: {exc}"
+                f"cannot open UCX endpoints to {reply.ucx_host} ports {ports}: {exc}"
             ) from None
-        link = PeerLink(address, session_id, stub, pools, endpoint)
+        link = PeerLink(address, session_id, stub, pools, endpoints)
         link.watch = asyncio.create_task(self._watch(link), name=f"watch {address}")
-        log.info("session %s with peer %s (UCX %s:%d)", session_id[:8], address,
-                 reply.ucx_host, reply.ucx_port)
+        log.info("session %s with peer %s (UCX %s, %d lanes)", session_id[:8], address,
+                 reply.ucx_host, len(endpoints))
         return link
 
     async def _watch(self, link: PeerLink) -> None:
@@ -145,7 +146,7 @@ class PeerLinks:
             return
         link.lost_reason = reason
         link.lost.set()
-        self._engine.close_endpoint(link.endpoint)
+        self._engine.close_endpoints(link.endpoints)
         if self._links.get(link.address) is link:
             del self._links[link.address]
         log.warning("lost peer %s: %s", link.address, reason)

@@ -54,12 +54,12 @@ from kvxfer.errors import (
     status_name,
 )
 from kvxfer.integrity import checksum
+from kvxfer.lanes import LaneBatch, LaneEndpoints, UcxLanes
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
 from kvxfer.server.peers import PeerLinks
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.states import TransferRole, TransferState
-from kvxfer.transport import MessageBatch, UcxEngine
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire import runs_from_proto, runs_to_proto
 
@@ -128,12 +128,13 @@ class Transfer:
     finished: float | None = None
     data_finished: float | None = None
     chunks: tuple[Extent, ...] = ()
+    lanes: int = 0
     error: KvxferError | None = None
     verified: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[Any] | None = None
-    batch: MessageBatch | None = None
+    batch: LaneBatch | None = None
     timer: asyncio.TimerHandle | None = None
 
     @property
@@ -175,6 +176,7 @@ class Transfer:
             verified=self.verified,
             created_unix=self.created_unix,
             data_seconds=data_seconds,
+            lanes=self.lanes,
         )
 
 
@@ -184,7 +186,7 @@ class TransferManager:
     def __init__(
         self,
         pools: PoolRegistry,
-        engine: UcxEngine,
+        engine: UcxLanes,
         *,
         peer_address: str,
         chunk_bytes: int,
@@ -413,7 +415,8 @@ class TransferManager:
         return pb.HandshakeRequest(
             session_id=session_id,
             ucx_host=self._engine.host,
-            ucx_port=self._engine.port,
+            ucx_port=self._engine.ports[0],
+            ucx_ports=self._engine.ports,
             ucx_error_handling=self._error_handling,
             pools=[d.to_proto() for d in self._pools.descriptors()],
             peer_address=self.peer_address,
@@ -426,7 +429,8 @@ class TransferManager:
         return pb.HandshakeResponse(
             session_id=request.session_id,
             ucx_host=self._engine.host,
-            ucx_port=self._engine.port,
+            ucx_port=self._engine.ports[0],
+            ucx_ports=self._engine.ports,
             ucx_error_handling=self._error_handling,
             pools=[d.to_proto() for d in self._pools.descriptors()],
         )
@@ -450,23 +454,26 @@ class TransferManager:
             check_compatible(src, t.pool.descriptor)
             t.chunks = plan_chunks(runs_from_proto(request.src_runs), src.layout, t.runs,
                                    t.pool.descriptor.layout, request.chunk_bytes or self._chunk_bytes)
+            tag_base = self._next_tag << CHUNK_BITS
+            self._next_tag = (self._next_tag + 1) % (1 << (64 - CHUNK_BITS))
+            t.verify = request.verify
+            t.lanes = request.lanes or 1
+            t.state = TransferState.TRANSFERRING
+            t.started = time.monotonic()
+            arena = t.pool.arena
+            t.batch = self._engine.receive(
+                [(arena.buffer(c.dst_offset, c.nbytes), tag_base + i)
+                 for i, c in enumerate(t.chunks)],
+                t.lanes,
+            )
         except KvxferError as exc:
             self._finish(t, exc)
             raise
-        tag_base = self._next_tag << CHUNK_BITS
-        self._next_tag = (self._next_tag + 1) % (1 << (64 - CHUNK_BITS))
-        t.verify = request.verify
-        t.state = TransferState.TRANSFERRING
-        t.started = time.monotonic()
-        arena = t.pool.arena
-        t.batch = self._engine.receive(
-            [(arena.buffer(c.dst_offset, c.nbytes), tag_base + i) for i, c in enumerate(t.chunks)]
-        )
         t.task = asyncio.create_task(self._receive(t, t.batch), name=f"recv {t.id}")
         return pb.ClaimResponse(tag_base=tag_base, dst_pool=t.pool.name,
                                 dst_runs=runs_to_proto(t.runs))
 
-    async def _receive(self, t: Transfer, batch: MessageBatch) -> None:
+    async def _receive(self, t: Transfer, batch: LaneBatch) -> None:
         try:
             await asyncio.wrap_future(batch.future)
             t.data_finished = time.monotonic()
@@ -576,6 +583,7 @@ class TransferManager:
                     transfer_id=t.id, session_id=link.session_id,
                     src_pool=t.pool.name, src_runs=runs_to_proto(t.runs),
                     timeout_s=t.remaining(), verify=t.verify, chunk_bytes=self._chunk_bytes,
+                    lanes=len(link.endpoints),
                 ),
                 timeout=t.remaining() + 0.5,
             )
@@ -585,9 +593,10 @@ class TransferManager:
             check_compatible(t.pool.descriptor, dst)
             t.chunks = plan_chunks(t.runs, t.pool.descriptor.layout, runs_from_proto(claim.dst_runs),
                                    dst.layout, self._chunk_bytes)
+            t.lanes = len(link.endpoints)
             t.state = TransferState.TRANSFERRING
             t.started = time.monotonic()
-            checksums = await self._send_chunks(t, link.endpoint, claim.tag_base)
+            checksums = await self._send_chunks(t, link.endpoints, claim.tag_base)
             if not t.verify:
                 self._finish(t)
                 return
@@ -605,7 +614,8 @@ class TransferManager:
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._fail(t, exc)
 
-    async def _send_chunks(self, t: Transfer, endpoint: Any, tag_base: int) -> list[int]:
+    async def _send_chunks(self, t: Transfer, endpoints: LaneEndpoints,
+                           tag_base: int) -> list[int]:
         """Send every chunk (at most ``window_bytes`` in flight); the per-chunk checksums.
 
         Checksums are computed in a worker thread while UCX sends: both only read
@@ -614,7 +624,7 @@ class TransferManager:
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in t.chunks]
         t.batch = self._engine.send(
-            endpoint, [(b, tag_base + i) for i, b in enumerate(buffers)], self._window_bytes
+            endpoints, [(b, tag_base + i) for i, b in enumerate(buffers)], self._window_bytes
         )
         checksums: list[int] = []
         if t.verify:

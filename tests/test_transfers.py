@@ -56,6 +56,7 @@ def test_standard_workload_push_is_byte_exact(pair) -> None:
         sent, got = p.wait(f"std-{seed}"), d.wait(f"std-{seed}")
         assert sent.ok and got.ok, (sent.error, got.error)
         assert got.verified and got.bytes == 128 * 2 * 2**20
+        assert sent.lanes == got.lanes == 2  # both daemons run the default two lanes
         for side in (sent, got):  # the data phase is part of, and shorter than, the whole
             assert 0 < side.data_seconds < side.seconds, (side.data_seconds, side.seconds)
         assert_moved(src, dst, src_runs, dst_runs, before)
@@ -138,6 +139,29 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> No
         assert sent.error_code == got.error_code == "FAILED_PRECONDITION"
         assert "head_num differs" in sent.error and "has 8" in sent.error
         assert torch.equal(odst.raw, before)
+
+
+def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
+    port = free_port()
+    one = spawn("one-lane", [SMALL], extra_args=["--ucx-lanes", "1"])
+    three = spawn("three-lanes", [SMALL], extra_args=["--ucx-lanes", "3", "--ucx-port", str(port)])
+    assert three.ready_info["ucx_ports"] == [port, port + 1, port + 2]
+    with KvxferClient(one.worker_address) as a, KvxferClient(three.worker_address) as b, \
+            a.attach("kv") as a_pool, b.attach("kv") as b_pool:
+        fill_random(a_pool, 4)
+        fill_random(b_pool, 5)
+        for (sender, s_pool), (receiver, r_pool, r_daemon), tid in (
+            ((a, a_pool), (b, b_pool, three), "one-to-three"),
+            ((b, b_pool), (a, a_pool, one), "three-to-one"),
+        ):
+            src_runs, dst_runs = PageRuns.of([(0, 5)]), PageRuns.of([(30, 3), (50, 2)])
+            before = r_pool.raw.clone()
+            receiver.expect(tid, "kv", dst_runs, timeout_s=30)
+            sender.push(tid, "kv", src_runs, peer=r_daemon.peer_address, timeout_s=30, verify=True)
+            sent, got = sender.wait(tid), receiver.wait(tid)
+            assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+            assert sent.lanes == got.lanes == 1
+            assert_moved(s_pool, r_pool, src_runs, dst_runs, before)
 
 
 def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair) -> None:

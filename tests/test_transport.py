@@ -1,4 +1,4 @@
-"""The UCX engine on its own: two real engines (UCX workers, listener, endpoint) in one process."""
+"""The UCX engine and its lanes on their own: real UCX workers, listeners and endpoints in one process."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvxfer.errors import InvalidRangeError
+from kvxfer.lanes import UcxLanes
 from kvxfer.transport import UcxEngine
 
 
@@ -49,3 +51,39 @@ def test_a_waiting_receiver_sleeps_and_still_gets_its_messages(engines) -> None:
     assert batch.bytes_done == dst.size
     assert np.array_equal(dst, src)
     assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
+
+
+def test_lanes_deal_one_transfer_over_both_sides_lanes() -> None:
+    sender, receiver = UcxLanes(2), UcxLanes(3)
+    try:
+        endpoints = sender.connect(receiver.host, receiver.ports)
+        assert len(endpoints) == 2  # the smaller lane count of the two
+        src = np.random.default_rng(2).integers(0, 256, 6 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        piece = 1 << 20
+        tags = range(100, 106)
+        got = receiver.receive([(dst[i * piece:(i + 1) * piece], t) for i, t in enumerate(tags)],
+                               len(endpoints))
+        sent = sender.send(endpoints, [(src[i * piece:(i + 1) * piece], t)
+                                       for i, t in enumerate(tags)], 2 << 20)
+        sent.future.result(timeout=20)
+        got.future.result(timeout=20)
+        assert np.array_equal(dst, src)
+        assert got.bytes_done == sent.bytes_done == src.size
+        # Messages 0, 2, 4 went over lane 0 and 1, 3, 5 over lane 1, on both sides.
+        assert [part.bytes_done for part in got.parts] == [3 * piece, 3 * piece]
+        assert [part.bytes_done for part in sent.parts] == [3 * piece, 3 * piece]
+        assert receiver.posted_requests() == sender.posted_requests() == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_receive_over_more_lanes_than_this_side_has_is_refused() -> None:
+    receiver = UcxLanes(1)
+    try:
+        with pytest.raises(InvalidRangeError, match="over 2 lanes; this daemon has 1"):
+            receiver.receive([(np.zeros(16, dtype=np.uint8), 1)], 2)
+        assert receiver.posted_requests() == 0
+    finally:
+        receiver.close()

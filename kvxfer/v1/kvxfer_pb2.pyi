@@ -190,7 +190,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, arena: _Optional[str] = ..., device: _Optional[str] = ..., size_bytes: _Optional[int] = ..., shm: _Optional[_Union[SharedMemory, _Mapping]] = ..., cuda: _Optional[_Union[CudaIpc, _Mapping]] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("transfer_id", "role", "state", "pool", "peer", "pages", "bytes", "bytes_done", "extents", "seconds", "error_code", "error", "verified", "created_unix", "data_seconds")
+    __slots__ = ("transfer_id", "role", "state", "pool", "peer", "pages", "bytes", "bytes_done", "extents", "seconds", "error_code", "error", "verified", "created_unix", "data_seconds", "lanes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class TransferStatus(_message.Message):
     VERIFIED_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     DATA_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     role: TransferRole
     state: TransferState
@@ -221,7 +222,8 @@ class TransferStatus(_message.Message):
     verified: bool
     created_unix: float
     data_seconds: float
-    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., state: _Optional[_Union[TransferState, str]] = ..., pool: _Optional[str] = ..., peer: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., extents: _Optional[int] = ..., seconds: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., verified: _Optional[bool] = ..., created_unix: _Optional[float] = ..., data_seconds: _Optional[float] = ...) -> None: ...
+    lanes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., role: _Optional[_Union[TransferRole, str]] = ..., state: _Optional[_Union[TransferState, str]] = ..., pool: _Optional[str] = ..., peer: _Optional[str] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., bytes_done: _Optional[int] = ..., extents: _Optional[int] = ..., seconds: _Optional[float] = ..., error_code: _Optional[str] = ..., error: _Optional[str] = ..., verified: _Optional[bool] = ..., created_unix: _Optional[float] = ..., data_seconds: _Optional[float] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class ListPoolsRequest(_message.Message):
     __slots__ = ()
@@ -346,34 +348,38 @@ class ListTransfersResponse(_message.Message):
     def __init__(self, transfers: _Optional[_Iterable[_Union[TransferStatus, _Mapping]]] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools", "peer_address")
+    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools", "peer_address", "ucx_ports")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_HOST_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
     UCX_ERROR_HANDLING_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UCX_PORTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ucx_host: str
     ucx_port: int
     ucx_error_handling: bool
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
     peer_address: str
-    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., peer_address: _Optional[str] = ...) -> None: ...
+    ucx_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., peer_address: _Optional[str] = ..., ucx_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools")
+    __slots__ = ("session_id", "ucx_host", "ucx_port", "ucx_error_handling", "pools", "ucx_ports")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     UCX_HOST_FIELD_NUMBER: _ClassVar[int]
     UCX_PORT_FIELD_NUMBER: _ClassVar[int]
     UCX_ERROR_HANDLING_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    UCX_PORTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     ucx_host: str
     ucx_port: int
     ucx_error_handling: bool
     pools: _containers.RepeatedCompositeFieldContainer[PoolDescriptor]
-    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ...) -> None: ...
+    ucx_ports: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., ucx_host: _Optional[str] = ..., ucx_port: _Optional[int] = ..., ucx_error_handling: _Optional[bool] = ..., pools: _Optional[_Iterable[_Union[PoolDescriptor, _Mapping]]] = ..., ucx_ports: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -388,7 +394,7 @@ class Heartbeat(_message.Message):
     def __init__(self, unix_time: _Optional[float] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
-    __slots__ = ("transfer_id", "session_id", "src_pool", "src_runs", "timeout_s", "verify", "chunk_bytes")
+    __slots__ = ("transfer_id", "session_id", "src_pool", "src_runs", "timeout_s", "verify", "chunk_bytes", "lanes")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SRC_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +402,7 @@ class ClaimRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     session_id: str
     src_pool: str
@@ -403,7 +410,8 @@ class ClaimRequest(_message.Message):
     timeout_s: float
     verify: bool
     chunk_bytes: int
-    def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., src_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    lanes: int
+    def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., src_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
     __slots__ = ("tag_base", "dst_pool", "dst_runs")
