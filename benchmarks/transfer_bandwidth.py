@@ -26,15 +26,16 @@ and each ratio is the median of the per-round ratios:
     kvxfer page_size 16 / the kernel copy ceiling on the same memory
     kvxfer page_size 16, data phase only / the kernel copy ceiling
     kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
-    kvxfer page_size 16 / the same over one UCX lane (what the lanes buy)
+    kvxfer page_size 16 over --extra-lanes UCX lanes / over --lanes (what lanes buy)
 
 The data phase is the receiver's ``data_seconds`` (its receives posted to the
 last message arrived); the rest of a transfer is control plane (gRPC calls).
 
-Every kvxfer case runs with ``--lanes`` data lanes (the daemon default, 2) except
-the one-lane reference.
+Every kvxfer case runs with ``--lanes`` data lanes (default 1, the daemon's) except
+the one with ``--extra-lanes`` (default 2).
 
-usage: python benchmarks/transfer_bandwidth.py [--rounds 5] [--eh on|off|both] [--lanes 2] [--json]
+usage: python benchmarks/transfer_bandwidth.py [--rounds 5] [--eh on|off|both] [--lanes 1]
+       [--extra-lanes 2] [--json]
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class Pair:
 @contextlib.contextmanager
 def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
                 chunk_bytes: int, error_handling: bool, shm_dir: str,
-                lanes: int = 2) -> Iterator[Pair]:
+                lanes: int = 1) -> Iterator[Pair]:
     """Two daemons with pool ``kv`` of ``preset``; the source pages hold random bytes."""
     pool = f"name=kv,preset={preset}"
     args = ["--chunk-bytes", str(chunk_bytes), "--ucx-lanes", str(lanes),
@@ -191,20 +192,21 @@ def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
 
 
 def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int,
-             shm_dir: str, lanes: int) -> dict[str, object]:
+             shm_dir: str, lanes: int, extra_lanes: int) -> dict[str, object]:
     """Interleaved rounds of kvxfer ps16, kvxfer ps1 and ucx_perftest for one error-handling mode."""
     env = ucx_env()
     samples: dict[str, list[float]] = {k: [] for k in ("kvxfer_ps16", "kvxfer_ps16_data",
-                                                       "kvxfer_ps16_1lane",
+                                                       "kvxfer_ps16_extra_lanes",
                                                        "kvxfer_ps1", "perftest_chunk",
                                                        "perftest_256MiB", "perftest_128KiB",
                                                        "kernel_copy")}
     ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
                                       "kvxfer_vs_kernel_copy": [], "kvxfer_data_vs_kernel_copy": [],
-                                      "ps1_vs_ps16": [], "lanes_vs_1lane": [],
+                                      "ps1_vs_ps16": [], "extra_lanes_vs_lanes": [],
                                       "perftest_128KiB_vs_chunk": []}
     with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir, lanes) as ps16, \
-            daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir, 1) as one, \
+            daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir,
+                        extra_lanes) as more, \
             daemon_pair("llama8b-ps1", 2048, env, chunk_bytes, error_handling, shm_dir,
                         lanes) as ps1:
         kvxfer_protocol = protocol_for(ps16.prefill.log(), chunk_bytes)
@@ -219,7 +221,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             a_data = statistics.median(data for _, data in runs16)
             b = statistics.median(client for client, _ in (ps1.transfer_gbps()
                                                             for _ in range(per_round)))
-            c = statistics.median(client for client, _ in (one.transfer_gbps()
+            c = statistics.median(client for client, _ in (more.transfer_gbps()
                                                             for _ in range(per_round)))
             ref, protos = perftest(chunk_bytes, 2000, pt_env)
             ref_big, _ = perftest(256 << 20, 20, pt_env)
@@ -227,7 +229,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes, shm_dir)
             perftest_protocols.add(protos)
             for name, value in (("kvxfer_ps16", a), ("kvxfer_ps16_data", a_data),
-                                ("kvxfer_ps16_1lane", c),
+                                ("kvxfer_ps16_extra_lanes", c),
                                 ("kvxfer_ps1", b), ("perftest_chunk", ref),
                                 ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
                                 ("kernel_copy", kernel)):
@@ -237,7 +239,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             ratios["kvxfer_vs_kernel_copy"].append(a / kernel)
             ratios["kvxfer_data_vs_kernel_copy"].append(a_data / kernel)
             ratios["ps1_vs_ps16"].append(b / a)
-            ratios["lanes_vs_1lane"].append(a / c)
+            ratios["extra_lanes_vs_lanes"].append(c / a)
             ratios["perftest_128KiB_vs_chunk"].append(ref_small / ref)
     result: dict[str, object] = {
         "kvxfer_protocol": kvxfer_protocol,
@@ -266,18 +268,20 @@ def main() -> int:
     parser.add_argument("--shm-dir", default="/dev/shm",
                         help="the daemons' and the kernel copy's shared-memory directory; a tmpfs "
                              "mounted with huge=always backs pools with 2 MiB pages (default /dev/shm)")
-    parser.add_argument("--lanes", type=int, default=2,
-                        help="the daemons' UCX data lanes (--ucx-lanes; default 2, the daemon's)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="the daemons' UCX data lanes (--ucx-lanes; default 1, the daemon's)")
+    parser.add_argument("--extra-lanes", type=int, default=2,
+                        help="UCX data lanes of the one extra page_size 16 case (default 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.eh]
     result: dict[str, object] = {"chunk_bytes": args.chunk_bytes, "rounds": args.rounds,
                                  "per_round": args.per_round, "shm_dir": args.shm_dir,
-                                 "lanes": args.lanes}
+                                 "lanes": args.lanes, "extra_lanes": args.extra_lanes}
     for eh in modes:
         result[f"eh_{'on' if eh else 'off'}"] = run_mode(eh, args.rounds, args.per_round,
                                                          args.chunk_bytes, args.shm_dir,
-                                                         args.lanes)
+                                                         args.lanes, args.extra_lanes)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0

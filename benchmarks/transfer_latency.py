@@ -12,7 +12,7 @@ timed in the same rounds, so the figure printed per case is how many such round
 trips a transfer costs; the machine is shared and noisy, so cases run
 interleaved and each ratio is the median of the per-round ratios.
 
-usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh on|off]
+usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh on|off] [--lanes 1]
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ def main() -> int:
     parser.add_argument("--per-round", type=int, default=20, help="samples per case and round")
     parser.add_argument("--eh", choices=("on", "off"), default="on",
                         help="UCX error handling on the daemons (default on, the daemon default)")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="the daemons' UCX data lanes (default 1, the daemon default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
@@ -47,7 +49,8 @@ def main() -> int:
     seconds: dict[str, list[float]] = {"grpc_health": []}
     per_round: dict[str, list[float]] = {}
     rng = random.Random(0)
-    with daemon_pair("llama8b", 1, ucx_env(), 4 << 20, args.eh == "on", "/dev/shm") as pair:
+    with daemon_pair("llama8b", 1, ucx_env(), 4 << 20, args.eh == "on", "/dev/shm",
+                     args.lanes) as pair:
         count = 0
 
         def one_transfer(pages: int, verify: bool) -> float:
@@ -81,8 +84,8 @@ def main() -> int:
                 per_round.setdefault(name, []).append(
                     statistics.median(samples) / statistics.median(health))
 
-    result: dict[str, object] = {"eh": args.eh, "rounds": args.rounds, "per_round": args.per_round,
-                                 "page_bytes": 2 << 20}
+    result: dict[str, object] = {"eh": args.eh, "lanes": args.lanes, "rounds": args.rounds,
+                                 "per_round": args.per_round, "page_bytes": 2 << 20}
     for name, values in seconds.items():
         result[f"{name}_ms_median"] = _median_ms(values)
     for name, values in per_round.items():

@@ -177,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "any free ports)")
     s.add_argument("--ucx-lanes", type=int,
                    help="UCX workers, each with its own thread, that move one transfer's chunks "
-                        "side by side (default 2; peers use the smaller count of the two). Over "
-                        "shared memory each lane copies on its own core")
+                        "side by side (default 1; peers use the smaller count of the two). Over "
+                        "shared memory (cma: UCX error handling off) each lane copies on its own "
+                        "core; over tcp on 2 cores a second lane made transfers slower")
     s.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
                    help="UCX peer error handling (default on; every daemon must agree). Off is "
                         "about 2x faster on loopback but a peer that dies mid-transfer over "

@@ -3,9 +3,10 @@
 A ``UcxEngine`` is one UCX worker driven by one thread, and over shared memory
 (cma) and CUDA IPC the thread that progresses a send is the one that copies its
 bytes. One lane therefore moves at most one core's worth of copying; with two
-lanes on two vCPUs a 256 MiB transfer over cma went from 4.4 to 6.7 GB/s here
-(over tcp on the same two cores it gained nothing: both cores were already busy,
-one writing and one reading the sockets).
+lanes on two vCPUs a 256 MiB transfer over cma went from 4.4 to 6.1 GB/s here.
+Over tcp on the same two cores a second lane made transfers ~20 % slower (both
+cores are already busy there, one writing and one reading the sockets), so the
+daemon's default is one lane.
 
 Lane ``i`` of a sender connects to lane ``i`` of the receiver (each lane has its
 own listener), and both sides deal a transfer's messages out the same way:

@@ -93,7 +93,7 @@ class DaemonConfig:
     advertise_address: str = ""
     ucx_host: str = "127.0.0.1"
     ucx_port: int = 0
-    ucx_lanes: int = 2
+    ucx_lanes: int = 1
     ucx_error_handling: bool = True
     chunk_bytes: int = 4 << 20
     window_bytes: int = 64 << 20

@@ -457,7 +457,12 @@ class TransferManager:
             tag_base = self._next_tag << CHUNK_BITS
             self._next_tag = (self._next_tag + 1) % (1 << (64 - CHUNK_BITS))
             t.verify = request.verify
-            t.lanes = request.lanes or 1
+            if request.lanes > self._engine.lanes:
+                raise InvalidRangeError(
+                    f"the sender offers {request.lanes} UCX lanes; this daemon has "
+                    f"{self._engine.lanes} (its handshake said so)")
+            # A lane with no chunk would only cost a wake-up on both sides.
+            t.lanes = min(request.lanes or 1, max(1, len(t.chunks)))
             t.state = TransferState.TRANSFERRING
             t.started = time.monotonic()
             arena = t.pool.arena
@@ -471,7 +476,7 @@ class TransferManager:
             raise
         t.task = asyncio.create_task(self._receive(t, t.batch), name=f"recv {t.id}")
         return pb.ClaimResponse(tag_base=tag_base, dst_pool=t.pool.name,
-                                dst_runs=runs_to_proto(t.runs))
+                                dst_runs=runs_to_proto(t.runs), lanes=t.lanes)
 
     async def _receive(self, t: Transfer, batch: LaneBatch) -> None:
         try:
@@ -593,10 +598,13 @@ class TransferManager:
             check_compatible(t.pool.descriptor, dst)
             t.chunks = plan_chunks(t.runs, t.pool.descriptor.layout, runs_from_proto(claim.dst_runs),
                                    dst.layout, self._chunk_bytes)
-            t.lanes = len(link.endpoints)
+            t.lanes = claim.lanes or 1
+            if t.lanes > len(link.endpoints):
+                raise InvalidRangeError(f"peer {t.peer} posted on {t.lanes} lanes; we offered "
+                                        f"{len(link.endpoints)}")
             t.state = TransferState.TRANSFERRING
             t.started = time.monotonic()
-            checksums = await self._send_chunks(t, link.endpoints, claim.tag_base)
+            checksums = await self._send_chunks(t, link.endpoints[: t.lanes], claim.tag_base)
             if not t.verify:
                 self._finish(t)
                 return

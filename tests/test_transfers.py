@@ -34,12 +34,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    """A prefill and a decode daemon with the standard pool, shared by this module's tests."""
+    """A prefill and a decode daemon with the standard pool, shared by this module's tests.
+
+    They run two UCX lanes, so every test here moves its chunks over both.
+    """
     from kvxfer.client.spawn import LocalDaemon
 
     root = tmp_path_factory.mktemp("pair")
-    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p")) as pre, \
-            LocalDaemon("decode", [STANDARD], workdir=str(root / "d")) as dec:
+    lanes = ["--ucx-lanes", "2"]
+    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p"), extra_args=lanes) as pre, \
+            LocalDaemon("decode", [STANDARD], workdir=str(root / "d"), extra_args=lanes) as dec:
         with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
                 p.attach("kv") as src, d.attach("kv") as dst:
             fill_random(src, 1)
@@ -56,10 +60,21 @@ def test_standard_workload_push_is_byte_exact(pair) -> None:
         sent, got = p.wait(f"std-{seed}"), d.wait(f"std-{seed}")
         assert sent.ok and got.ok, (sent.error, got.error)
         assert got.verified and got.bytes == 128 * 2 * 2**20
-        assert sent.lanes == got.lanes == 2  # both daemons run the default two lanes
+        assert sent.lanes == got.lanes == 2
         for side in (sent, got):  # the data phase is part of, and shorter than, the whole
             assert 0 < side.data_seconds < side.seconds, (side.data_seconds, side.seconds)
         assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_a_one_chunk_transfer_uses_one_lane(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    before = dst.raw.clone()
+    d.expect("one-chunk", "kv", PageRuns.of([(300, 1)]), timeout_s=30)
+    p.push("one-chunk", "kv", PageRuns.of([(9, 1)]), peer=dec.peer_address, timeout_s=30)
+    sent, got = p.wait("one-chunk"), d.wait("one-chunk")
+    assert sent.ok and got.ok, (sent.error, got.error)
+    assert sent.lanes == got.lanes == 1 and got.extents == 1
+    assert_moved(src, dst, PageRuns.of([(9, 1)]), PageRuns.of([(300, 1)]), before)
 
 
 def test_push_before_expect_waits_for_the_expect(pair) -> None:
@@ -183,6 +198,26 @@ def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair) -> 
     assert got.error_code == "FAILED_PRECONDITION"
     assert torch.equal(dst.raw, before)
     assert p.health() == "SERVING" and d.health() == "SERVING"
+
+
+def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair) -> None:
+    pre, dec, p, d, src, dst = pair
+    before = dst.raw.clone()
+    d.expect("many-lanes", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
+    descriptor, _ = p.describe("kv")
+    with grpc.insecure_channel(dec.peer_address) as channel:
+        peer = pb_grpc.KvxferPeerStub(channel)
+        peer.Handshake(pb.HandshakeRequest(session_id="greedy", ucx_host="127.0.0.1", ucx_port=1,
+                                           ucx_error_handling=True, pools=[descriptor.to_proto()],
+                                           peer_address="127.0.0.1:1"), timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            peer.Claim(pb.ClaimRequest(transfer_id="many-lanes", session_id="greedy", src_pool="kv",
+                                       src_runs=[pb.PageRun(start=0, count=1)], lanes=9),
+                       timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "offers 9 UCX lanes; this daemon has 2" in refused.value.details()
+    assert d.wait("many-lanes", timeout_s=10).error_code == "INVALID_ARGUMENT"
+    assert torch.equal(dst.raw, before)
 
 
 def test_unequal_page_counts_fail_both_sides(pair) -> None:

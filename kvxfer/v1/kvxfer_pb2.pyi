@@ -414,14 +414,16 @@ class ClaimRequest(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., session_id: _Optional[str] = ..., src_pool: _Optional[str] = ..., src_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., timeout_s: _Optional[float] = ..., verify: _Optional[bool] = ..., chunk_bytes: _Optional[int] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class ClaimResponse(_message.Message):
-    __slots__ = ("tag_base", "dst_pool", "dst_runs")
+    __slots__ = ("tag_base", "dst_pool", "dst_runs", "lanes")
     TAG_BASE_FIELD_NUMBER: _ClassVar[int]
     DST_POOL_FIELD_NUMBER: _ClassVar[int]
     DST_RUNS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     tag_base: int
     dst_pool: str
     dst_runs: _containers.RepeatedCompositeFieldContainer[PageRun]
-    def __init__(self, tag_base: _Optional[int] = ..., dst_pool: _Optional[str] = ..., dst_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ...) -> None: ...
+    lanes: int
+    def __init__(self, tag_base: _Optional[int] = ..., dst_pool: _Optional[str] = ..., dst_runs: _Optional[_Iterable[_Union[PageRun, _Mapping]]] = ..., lanes: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("transfer_id", "session_id", "checksums")
