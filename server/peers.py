@@ -36,6 +36,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def silence_limit_s(heartbeat_s: float) -> float:
+    """How long either side of a session waits for the other's stream before giving up."""
+    return 3 * heartbeat_s + 1
+
+
 @dataclass
 class PeerLink:
     """A live session with one peer daemon."""
@@ -107,30 +112,33 @@ class PeerLinks:
             )
         pools = {d.name: PoolDescriptor.from_proto(d) for d in reply.pools}
         ports = list(reply.ucx_ports) or [reply.ucx_port]
+        # Watch at once: the peer drops a session whose stream has not begun in time.
+        call = stub.Watch(pb.WatchRequest(session_id=session_id))
         try:
             endpoints = await asyncio.to_thread(
                 self._engine.connect, reply.ucx_host, ports, max(timeout, 1.0)
             )
         except Exception as exc:  # noqa: BLE001 - any UCX failure means unreachable
+            call.cancel()
             raise PeerUnavailableError(
                 f"cannot open UCX endpoints to {reply.ucx_host} ports {ports}: {exc}"
             ) from None
         link = PeerLink(address, session_id, stub, pools, endpoints)
-        link.watch = asyncio.create_task(self._watch(link), name=f"watch {address}")
+        link.watch = asyncio.create_task(self._watch(link, call), name=f"watch {address}")
         log.info("session %s with peer %s (UCX %s, %d lanes)", session_id[:8], address,
                  reply.ucx_host, len(endpoints))
         return link
 
-    async def _watch(self, link: PeerLink) -> None:
+    async def _watch(self, link: PeerLink, call: grpc.aio.UnaryStreamCall) -> None:
         reason = "heartbeat stream ended"
-        call = link.stub.Watch(pb.WatchRequest(session_id=link.session_id))
+        limit_s = silence_limit_s(self._heartbeat_s)
         try:
             while True:
-                beat = await asyncio.wait_for(call.read(), timeout=3 * self._heartbeat_s + 1)
+                beat = await asyncio.wait_for(call.read(), timeout=limit_s)
                 if beat is grpc.aio.EOF:
                     break
         except TimeoutError:
-            reason = f"no heartbeat for {3 * self._heartbeat_s + 1:.0f}s"
+            reason = f"no heartbeat for {limit_s:.0f}s"
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:

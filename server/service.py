@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvxfer.server.errors import rpc
+from kvxfer.errors import KvxferError
+from kvxfer.server.errors import grpc_code, rpc
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.server.transfers import TransferManager
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -96,6 +97,10 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         return self._transfers.handshake(request)
 
     async def Watch(self, request: pb.WatchRequest, context: Ctx) -> AsyncIterator[pb.Heartbeat]:
+        try:
+            self._transfers.inbound_session_watched(request.session_id)
+        except KvxferError as exc:
+            await context.abort(grpc_code(exc), str(exc))
         try:
             while True:
                 yield pb.Heartbeat(unix_time=time.time())

@@ -57,7 +57,7 @@ from kvxfer.integrity import checksum
 from kvxfer.lanes import LaneBatch, LaneEndpoints, UcxLanes
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
-from kvxfer.server.peers import PeerLinks
+from kvxfer.server.peers import PeerLinks, silence_limit_s
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.states import TransferRole, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -70,6 +70,7 @@ BYTES = Counter("kvxfer_bytes", "Bytes moved by finished transfers", ["role"])
 ACTIVE = Gauge("kvxfer_active_transfers", "Transfers not yet final", ["role"])
 POSTED = Gauge("kvxfer_ucx_posted_requests",
                "UCX sends and receives posted and not yet complete (0 when idle)")
+INBOUND = Gauge("kvxfer_inbound_sessions", "Sessions peer daemons hold open to send to us")
 
 CHUNK_BITS = 24
 #: Set on a receiving daemon (tests only) to flip one byte of every transfer it receives.
@@ -101,12 +102,18 @@ def _final_state(error: KvxferError) -> TransferState:
     return TransferState.FAILED
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class InboundSession:
-    """A peer that opened a session to send to us, as its handshake described it."""
+    """A peer that opened a session to send to us, as its handshake described it.
+
+    ``watched`` turns true when the peer's Watch stream begins; a session still
+    unwatched after the silence limit is dropped, so a handshake alone holds
+    nothing for long.
+    """
 
     peer_address: str
     pools: dict[str, PoolDescriptor]
+    watched: bool = False
 
 
 @dataclass(eq=False)
@@ -209,6 +216,8 @@ class TransferManager:
         self._registered = asyncio.Condition()
         self._next_tag = random.getrandbits(32)
         self._inbound: dict[str, InboundSession] = {}  # by session id
+        INBOUND.set_function(lambda: len(self._inbound))
+        self._session_grace_s = silence_limit_s(heartbeat_s)
         # Ids a peer aborted before this side registered them: registering one ends it at once.
         self._aborted_early: OrderedDict[str, str] = OrderedDict()
         self._accepting = True
@@ -425,7 +434,10 @@ class TransferManager:
     def handshake(self, request: pb.HandshakeRequest) -> pb.HandshakeResponse:
         """Accept a session from a peer that will send to us."""
         pools = {d.name: PoolDescriptor.from_proto(d) for d in request.pools}
-        self._inbound[request.session_id] = InboundSession(request.peer_address, pools)
+        session = InboundSession(request.peer_address, pools)
+        self._inbound[request.session_id] = session
+        asyncio.get_running_loop().call_later(
+            self._session_grace_s, self._drop_unwatched, request.session_id, session)
         return pb.HandshakeResponse(
             session_id=request.session_id,
             ucx_host=self._engine.host,
@@ -562,6 +574,21 @@ class TransferManager:
         for t in list(self._transfers.values()):
             if t.session_id == session_id and not t.state.final:
                 self._finish(t, PeerUnavailableError(f"transfer {t.id!r} failed: {reason}"))
+
+    def _drop_unwatched(self, session_id: str, session: InboundSession) -> None:
+        if not session.watched and self._inbound.get(session_id) is session:
+            log.warning("dropping session %s from %s: no Watch stream %.0f s after its handshake",
+                        session_id[:8], session.peer_address, self._session_grace_s)
+            self.session_lost(session_id, f"sender {session.peer_address} never watched its session")
+
+    def inbound_session_watched(self, session_id: str) -> None:
+        """The sender's heartbeat stream began; raises PeerUnavailableError for an unknown session."""
+        session = self._inbound.get(session_id)
+        if session is None:
+            raise PeerUnavailableError(
+                f"session {session_id[:8]} is unknown here (never handshaken, or dropped "
+                f"{self._session_grace_s:.0f} s after a handshake without a Watch stream)")
+        session.watched = True
 
     def inbound_session_ended(self, session_id: str) -> None:
         """The sender's heartbeat stream to us ended (it died or closed the session)."""

@@ -366,6 +366,44 @@ def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
         assert metric(port, commits) == 1
 
 
+def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(spawn) -> None:
+    port = free_port()
+    dec = spawn("decode-sessions", [SMALL], extra_args=["--metrics-port", str(port)])
+    pre = spawn("prefill-sessions", [SMALL])
+    sessions = "kvxfer_inbound_sessions"
+    handshakes = 'kvxfer_rpcs_total{code="OK",method="Handshake"}'
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            grpc.insecure_channel(dec.peer_address) as channel:
+        runs = PageRuns.of([(0, 1)])
+        d.expect("watched-1", "kv", runs, timeout_s=20)
+        p.push("watched-1", "kv", runs, peer=dec.peer_address, timeout_s=20)
+        assert p.wait("watched-1").ok and d.wait("watched-1").ok
+        peer = pb_grpc.KvxferPeerStub(channel)
+        peer.Handshake(pb.HandshakeRequest(session_id="never-watched", ucx_host="127.0.0.1",
+                                           ucx_port=1, ucx_error_handling=True,
+                                           peer_address="127.0.0.1:1"), timeout=10)
+        assert metric(port, sessions) == 2
+        # The silence limit is 3 heartbeats + 1 s = 4 s with the default 1 s heartbeat.
+        deadline = time.monotonic() + 15
+        while metric(port, sessions) > 1:
+            assert time.monotonic() < deadline, "the unwatched session was never dropped"
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as refused:
+            peer.Claim(pb.ClaimRequest(transfer_id="x", session_id="never-watched", src_pool="kv",
+                                       src_runs=[pb.PageRun(start=0, count=1)]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "unknown; handshake first" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as late:
+            next(peer.Watch(pb.WatchRequest(session_id="never-watched"), timeout=10))
+        assert late.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "without a Watch stream" in late.value.details()
+        d.expect("watched-2", "kv", runs, timeout_s=20)
+        p.push("watched-2", "kv", runs, peer=dec.peer_address, timeout_s=20)
+        assert p.wait("watched-2").ok and d.wait("watched-2").ok
+        assert metric(port, sessions) == 1
+        assert metric(port, handshakes) == 2  # the prefill daemon's session outlived the limit
+
+
 def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:
     port = free_port()
     dec = spawn("decode-metrics", [STANDARD], extra_args=["--metrics-port", str(port)])
