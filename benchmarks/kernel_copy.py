@@ -6,8 +6,11 @@ pools are (a MAP_SHARED|MAP_POPULATE file in /dev/shm, 4 KiB pages), walking
 256 MiB in 2 MiB pieces as a transfer does. No UCX, no Python per byte: one
 syscall per piece. It is the reference ``transfer_bandwidth.py`` reports beside
 ucx_perftest, which resends one cache-resident buffer from private memory.
+``--resend`` copies the first piece over and over instead, as ucx_perftest does,
+to show what cache residency alone is worth on the same memory.
 
 usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5] [--shm-dir D]
+       [--resend]
 Prints one JSON object: {"path": ..., "gbps": [...], "gbps_median": ...}.
 """
 
@@ -31,6 +34,12 @@ class IoVec(ctypes.Structure):
 
 
 SHM_DIR = "/dev/shm"  #: set by --shm-dir (a tmpfs mounted with huge=always gives 2 MiB pages)
+RESEND = False  #: set by --resend: every piece is the buffer's first piece
+
+
+def at(off: int, piece: int) -> int:
+    """Where the piece at ``off`` of a walk lives: ``off``, or the first piece under --resend."""
+    return off % piece if RESEND else off
 
 
 def shm_buffer(nbytes: int) -> mmap.mmap:
@@ -53,7 +62,7 @@ def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int,
     for _ in range(repeats):
         start = time.perf_counter()
         for off in range(0, nbytes, piece):
-            local, remote = IoVec(src_addr + off, piece), IoVec(dst_addr + off, piece)
+            local, remote = IoVec(src_addr + at(off, piece), piece), IoVec(dst_addr + at(off, piece), piece)
             if libc.process_vm_writev(parent, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != piece:
                 raise OSError(ctypes.get_errno(), "process_vm_writev")
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
@@ -67,7 +76,7 @@ def tcp_child(port: int, nbytes: int, piece: int, repeats: int) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(repeats):
             for off in range(0, nbytes, piece):
-                sock.sendall(view[off : off + piece])
+                sock.sendall(view[at(off, piece) : at(off, piece) + piece])
             sock.recv(1)  # the receiver's go-ahead for the next round
 
 
@@ -109,7 +118,7 @@ def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
         got = 0
         start = time.perf_counter()
         while got < nbytes:
-            n = conn.recv_into(view[got : got + piece])
+            n = conn.recv_into(view[at(got, piece) : at(got, piece) + piece - got % piece])
             if n == 0:
                 raise ConnectionError("the sender went away")
             got += n
@@ -129,9 +138,11 @@ def main() -> int:
     parser.add_argument("--piece", type=int, default=2 << 20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the buffers' files live")
+    parser.add_argument("--resend", action="store_true",
+                        help="copy the first piece every time (cache-resident, as ucx_perftest)")
     args = parser.parse_args()
-    global SHM_DIR
-    SHM_DIR = args.shm_dir
+    global SHM_DIR, RESEND
+    SHM_DIR, RESEND = args.shm_dir, args.resend
     rates = measure(args.path, args.bytes, args.piece, args.repeats)
     print(json.dumps({"path": args.path, "gbps": [round(r, 3) for r in rates],
                       "gbps_median": round(statistics.median(rates), 3)}))

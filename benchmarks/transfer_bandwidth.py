@@ -18,7 +18,9 @@ ucx_perftest resends one buffer from private memory, which flatters it; one 256
 MiB message (the bytes of a whole transfer) is the second reference, and the
 third is the kernel's own ceiling for the transport on kvxfer's kind of memory
 (``kernel_copy.py``: process_vm_writev for cma, a loopback socket for tcp,
-between /dev/shm mappings, 2 MiB per syscall).
+between /dev/shm mappings, 2 MiB per syscall). The same copy resending one
+chunk-sized buffer, as ucx_perftest does, shows what cache residency alone is
+worth on that memory (``kernel_copy_resend``).
 The machine is shared and noisy, so the cases run interleaved, round by round,
 and each ratio is the median of the per-round ratios:
 
@@ -27,6 +29,7 @@ and each ratio is the median of the per-round ratios:
     kvxfer page_size 16, data phase only / the kernel copy ceiling
     kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
     kvxfer page_size 16 over --extra-lanes UCX lanes / over --lanes (what lanes buy)
+    the kernel copy resending one buffer / the kernel copy (what resending is worth)
 
 The data phase is the receiver's ``data_seconds`` (its receives posted to the
 last message arrived); the rest of a transfer is control plane (gRPC calls).
@@ -133,10 +136,11 @@ def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[
     return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
-def kernel_copy_gbps(path: str, piece: int, shm_dir: str) -> float:
+def kernel_copy_gbps(path: str, piece: int, shm_dir: str, resend: bool = False) -> float:
     """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_copy.py")), path,
-                          "--piece", str(piece), "--repeats", "3", "--shm-dir", shm_dir],
+                          "--piece", str(piece), "--repeats", "3", "--shm-dir", shm_dir,
+                          *(["--resend"] if resend else [])],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return float(json.loads(out)["gbps_median"])
 
@@ -199,11 +203,12 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
                                                        "kvxfer_ps16_extra_lanes",
                                                        "kvxfer_ps1", "perftest_chunk",
                                                        "perftest_256MiB", "perftest_128KiB",
-                                                       "kernel_copy")}
+                                                       "kernel_copy", "kernel_copy_resend")}
     ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
                                       "kvxfer_vs_kernel_copy": [], "kvxfer_data_vs_kernel_copy": [],
                                       "ps1_vs_ps16": [], "extra_lanes_vs_lanes": [],
-                                      "perftest_128KiB_vs_chunk": []}
+                                      "perftest_128KiB_vs_chunk": [],
+                                      "kernel_copy_resend_vs_kernel_copy": []}
     with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir, lanes) as ps16, \
             daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir,
                         extra_lanes) as more, \
@@ -226,13 +231,15 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             ref, protos = perftest(chunk_bytes, 2000, pt_env)
             ref_big, _ = perftest(256 << 20, 20, pt_env)
             ref_small, _ = perftest(128 << 10, 20000, pt_env)
-            kernel = kernel_copy_gbps("tcp" if transport == "tcp" else "cma", chunk_bytes, shm_dir)
+            path = "tcp" if transport == "tcp" else "cma"
+            kernel = kernel_copy_gbps(path, chunk_bytes, shm_dir)
+            kernel_resend = kernel_copy_gbps(path, chunk_bytes, shm_dir, resend=True)
             perftest_protocols.add(protos)
             for name, value in (("kvxfer_ps16", a), ("kvxfer_ps16_data", a_data),
                                 ("kvxfer_ps16_extra_lanes", c),
                                 ("kvxfer_ps1", b), ("perftest_chunk", ref),
                                 ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
-                                ("kernel_copy", kernel)):
+                                ("kernel_copy", kernel), ("kernel_copy_resend", kernel_resend)):
                 samples[name].append(value)
             ratios["kvxfer_vs_perftest"].append(a / ref)
             ratios["kvxfer_vs_perftest_256MiB"].append(a / ref_big)
@@ -241,6 +248,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             ratios["ps1_vs_ps16"].append(b / a)
             ratios["extra_lanes_vs_lanes"].append(c / a)
             ratios["perftest_128KiB_vs_chunk"].append(ref_small / ref)
+            ratios["kernel_copy_resend_vs_kernel_copy"].append(kernel_resend / kernel)
     result: dict[str, object] = {
         "kvxfer_protocol": kvxfer_protocol,
         "perftest_protocol": " / ".join(sorted(perftest_protocols)),
