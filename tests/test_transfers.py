@@ -343,12 +343,20 @@ def posted_requests(metrics_port: int) -> float:
     return metric(metrics_port, "kvxfer_ucx_posted_requests")
 
 
-def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
+def rpcs_ok(method: str) -> str:
+    """The kvxfer_rpcs sample counting ``method`` calls that returned OK."""
+    return f'kvxfer_rpcs_total{{code="OK",method="{method}"}}'
+
+
+def spawn_with_metrics(spawn, name: str, pool: str):
+    """A daemon serving Prometheus metrics, and the port they are on."""
     port = free_port()
-    dec = spawn("decode-rpcs", [SMALL], extra_args=["--metrics-port", str(port)])
+    return spawn(name, [pool], extra_args=["--metrics-port", str(port)]), port
+
+
+def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
+    dec, port = spawn_with_metrics(spawn, "decode-rpcs", SMALL)
     pre = spawn("prefill-rpcs", [SMALL])
-    commits = 'kvxfer_rpcs_total{code="OK",method="Commit"}'
-    claims = 'kvxfer_rpcs_total{code="OK",method="Claim"}'
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             p.attach("kv") as src, d.attach("kv") as dst:
         fill_random(src, 3)
@@ -362,16 +370,14 @@ def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
             assert sent.ok and got.ok, (sent.error, got.error)
             assert got.verified is verify and sent.verified is verify
             assert_moved(src, dst, src_runs, dst_runs, before)
-        assert metric(port, claims) == 2
-        assert metric(port, commits) == 1
+        assert metric(port, rpcs_ok("Claim")) == 2
+        assert metric(port, rpcs_ok("Commit")) == 1
 
 
 def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(spawn) -> None:
-    port = free_port()
-    dec = spawn("decode-sessions", [SMALL], extra_args=["--metrics-port", str(port)])
+    dec, port = spawn_with_metrics(spawn, "decode-sessions", SMALL)
     pre = spawn("prefill-sessions", [SMALL])
     sessions = "kvxfer_inbound_sessions"
-    handshakes = 'kvxfer_rpcs_total{code="OK",method="Handshake"}'
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             grpc.insecure_channel(dec.peer_address) as channel:
         runs = PageRuns.of([(0, 1)])
@@ -401,12 +407,11 @@ def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(sp
         p.push("watched-2", "kv", runs, peer=dec.peer_address, timeout_s=20)
         assert p.wait("watched-2").ok and d.wait("watched-2").ok
         assert metric(port, sessions) == 1
-        assert metric(port, handshakes) == 2  # the prefill daemon's session outlived the limit
+        assert metric(port, rpcs_ok("Handshake")) == 2  # the prefill daemon's session outlived the limit
 
 
 def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:
-    port = free_port()
-    dec = spawn("decode-metrics", [STANDARD], extra_args=["--metrics-port", str(port)])
+    dec, port = spawn_with_metrics(spawn, "decode-metrics", STANDARD)
     doomed = spawn("doomed-sender-2", [STANDARD])
     with KvxferClient(dec.worker_address) as d, KvxferClient(doomed.worker_address) as s:
         d.expect("cut", "kv", PageRuns.of([(0, 512)]), timeout_s=60)
