@@ -11,10 +11,11 @@ The reference is ``kernel_copy.py`` on the transport UCX picked (read from
 ``UCX_PROTO_INFO``: process_vm_writev for cma, a loopback socket for tcp) in
 pieces of the chunk size, run between rounds; the ratio printed is the median
 of the per-round ratios. At the end both sides hash their buffers and the run
-fails unless the bytes arrived.
+fails unless the bytes arrived. ``--idle-s S`` sleeps before every transfer and
+every kernel copy, as a daemon between sporadic requests.
 
 usage: python benchmarks/engine_bandwidth.py [--rounds 5] [--per-round 5] [--eh on|off]
-       [--chunk-bytes 2097152] [--shm-dir /dev/shm] [--json]
+       [--chunk-bytes 2097152] [--shm-dir /dev/shm] [--idle-s 0] [--json]
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def main() -> int:
                         help="UCX peer error handling (default on, as the daemon)")
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="message size (default 2 MiB)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where both buffers live")
+    parser.add_argument("--idle-s", type=float, default=0.0,
+                        help="seconds asleep before each transfer and kernel copy (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--role", choices=("send", "recv"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -116,6 +119,7 @@ def main() -> int:
         expect(sender.stdout, "READY")
 
         def transfer() -> float:
+            time.sleep(args.idle_s)
             receiver.stdin.write("go\n")
             receiver.stdin.flush()
             expect(receiver.stdout, "POSTED")
@@ -135,7 +139,8 @@ def main() -> int:
         ratios: list[float] = []
         for _ in range(args.rounds):
             engine.append(statistics.median(transfer() for _ in range(args.per_round)))
-            kernel.append(kernel_copy_gbps(path, args.chunk_bytes, args.shm_dir))
+            kernel.append(kernel_copy_gbps(path, args.chunk_bytes, args.shm_dir,
+                                           idle_s=args.idle_s))
             ratios.append(engine[-1] / kernel[-1])
         for process in (receiver, sender):
             process.stdin.write("quit\n")
@@ -152,6 +157,7 @@ def main() -> int:
                 process.wait(10)
     result = {
         "eh": args.eh, "chunk_bytes": args.chunk_bytes, "shm_dir": args.shm_dir,
+        "idle_s": args.idle_s,
         "ucx_protocol": protocol, "kernel_copy_path": path,
         "engine_gbps_median": round(statistics.median(engine), 3),
         "engine_gbps_rounds": [round(v, 3) for v in engine],

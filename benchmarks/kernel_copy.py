@@ -7,10 +7,11 @@ pools are (a MAP_SHARED|MAP_POPULATE file in /dev/shm, 4 KiB pages), walking
 syscall per piece. It is the reference ``transfer_bandwidth.py`` reports beside
 ucx_perftest, which resends one cache-resident buffer from private memory.
 ``--resend`` copies the first piece over and over instead, as ucx_perftest does,
-to show what cache residency alone is worth on the same memory.
+to show what cache residency alone is worth on the same memory. ``--idle-s S``
+sleeps before each repeat, to show what an idle machine costs a copy.
 
 usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5] [--shm-dir D]
-       [--resend]
+       [--resend] [--idle-s S]
 Prints one JSON object: {"path": ..., "gbps": [...], "gbps_median": ...}.
 """
 
@@ -35,6 +36,7 @@ class IoVec(ctypes.Structure):
 
 SHM_DIR = "/dev/shm"  #: set by --shm-dir (a tmpfs mounted with huge=always gives 2 MiB pages)
 RESEND = False  #: set by --resend: every piece is the buffer's first piece
+IDLE_S = 0.0  #: set by --idle-s: seconds asleep before each repeat
 
 
 def at(off: int, piece: int) -> int:
@@ -60,6 +62,7 @@ def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int,
     src_addr = address(src)
     rates = []
     for _ in range(repeats):
+        time.sleep(IDLE_S)
         start = time.perf_counter()
         for off in range(0, nbytes, piece):
             local, remote = IoVec(src_addr + at(off, piece), piece), IoVec(dst_addr + at(off, piece), piece)
@@ -75,9 +78,9 @@ def tcp_child(port: int, nbytes: int, piece: int, repeats: int) -> None:
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(repeats):
+            sock.recv(1)  # the receiver's go-ahead for this round
             for off in range(0, nbytes, piece):
                 sock.sendall(view[at(off, piece) : at(off, piece) + piece])
-            sock.recv(1)  # the receiver's go-ahead for the next round
 
 
 def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
@@ -115,6 +118,8 @@ def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
     view = memoryview(dst)
     rates = []
     for _ in range(repeats):
+        time.sleep(IDLE_S)
+        conn.sendall(b"k")
         got = 0
         start = time.perf_counter()
         while got < nbytes:
@@ -123,7 +128,6 @@ def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
                 raise ConnectionError("the sender went away")
             got += n
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
-        conn.sendall(b"k")
     conn.close()
     listener.close()
     os.waitpid(pid, 0)
@@ -140,9 +144,10 @@ def main() -> int:
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the buffers' files live")
     parser.add_argument("--resend", action="store_true",
                         help="copy the first piece every time (cache-resident, as ucx_perftest)")
+    parser.add_argument("--idle-s", type=float, default=0.0, help="sleep before each repeat")
     args = parser.parse_args()
-    global SHM_DIR, RESEND
-    SHM_DIR, RESEND = args.shm_dir, args.resend
+    global SHM_DIR, RESEND, IDLE_S
+    SHM_DIR, RESEND, IDLE_S = args.shm_dir, args.resend, args.idle_s
     rates = measure(args.path, args.bytes, args.piece, args.repeats)
     print(json.dumps({"path": args.path, "gbps": [round(r, 3) for r in rates],
                       "gbps_median": round(statistics.median(rates), 3)}))

@@ -136,11 +136,12 @@ def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[
     return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
-def kernel_copy_gbps(path: str, piece: int, shm_dir: str, resend: bool = False) -> float:
+def kernel_copy_gbps(path: str, piece: int, shm_dir: str, resend: bool = False,
+                     idle_s: float = 0.0) -> float:
     """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_copy.py")), path,
                           "--piece", str(piece), "--repeats", "3", "--shm-dir", shm_dir,
-                          *(["--resend"] if resend else [])],
+                          "--idle-s", str(idle_s), *(["--resend"] if resend else [])],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return float(json.loads(out)["gbps_median"])
 
