@@ -1,0 +1,47 @@
+"""The benchmark scripts still run and report what they claim (smoke runs, no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 240) -> dict:
+    """Run ``benchmarks/script`` on loopback and parse the JSON it prints last."""
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=BENCHMARKS,
+                         env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+@pytest.mark.parametrize("path", ["cma", "tcp"])
+def test_kernel_copy_measures_each_path_and_mode(path: str) -> None:
+    for extra in ([], ["--resend"], ["--idle-s", "0.05"]):
+        got = run_benchmark("kernel_copy.py", path, "--bytes", str(8 << 20), "--repeats", "2",
+                            *extra, timeout=60)
+        assert got["path"] == path and len(got["gbps"]) == 2
+        assert all(rate > 0 for rate in got["gbps"])
+
+
+@pytest.mark.parametrize("eh, transport", [("on", "tcp"), ("off", "cma")])
+def test_engine_bandwidth_moves_and_checks_the_bytes(eh: str, transport: str) -> None:
+    got = run_benchmark("engine_bandwidth.py", "--eh", eh, "--rounds", "1", "--per-round", "1",
+                        "--json")
+    assert got["bytes_verified"] is True
+    assert f" over {transport}" in got["ucx_protocol"]
+    assert got["kernel_copy_path"] == transport
+    assert got["engine_gbps_median"] > 0 and got["ratio_engine_vs_kernel_copy"] > 0
+
+
+def test_transfer_latency_reports_every_case() -> None:
+    got = run_benchmark("transfer_latency.py", "--rounds", "1", "--per-round", "1", "--json")
+    for case in ("pages1_verify_off", "pages1_verify_on", "pages16_verify_off", "pages16_verify_on"):
+        assert got[f"{case}_ms_median"] > got["grpc_health_ms_median"] > 0
