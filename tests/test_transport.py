@@ -53,6 +53,32 @@ def test_a_waiting_receiver_sleeps_and_still_gets_its_messages(engines) -> None:
     assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
 
 
+def test_concurrent_sends_share_one_window(engines) -> None:
+    receiver, sender = engines
+    chunk = 1 << 20
+    src = np.random.default_rng(2).integers(0, 256, 32 * chunk, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    messages = [(src[i * chunk:(i + 1) * chunk], 100 + i) for i in range(32)]
+    endpoint = sender.connect(receiver.host, receiver.port)
+    first = sender.send(endpoint, messages[:16], 4 * chunk)
+    second = sender.send(endpoint, messages[16:], 4 * chunk)
+    # Nothing is received yet, so no (rendezvous) send can complete: what is posted is
+    # what the window let through. The first transfer filled it; the second may post
+    # its one message beside it, not a window of its own.
+    deadline = time.monotonic() + 10
+    while sender.posted_requests() < 5:
+        assert time.monotonic() < deadline, f"only {sender.posted_requests()} sends posted"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert sender.posted_requests() == 5
+    assert (first.next, second.next) == (4, 1)
+    arrived = receiver.receive([(dst[i * chunk:(i + 1) * chunk], 100 + i) for i in range(32)])
+    for batch in (first, second, arrived):
+        batch.future.result(timeout=30)
+    assert np.array_equal(dst, src)
+    assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
+
+
 def test_lanes_deal_one_transfer_over_both_sides_lanes() -> None:
     sender, receiver = UcxLanes(2), UcxLanes(3)
     try:
