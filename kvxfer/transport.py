@@ -13,8 +13,8 @@ own event loop needs (measured on 2 vCPUs: the receiver's UCX thread went from
 83 % to 10 % of a core over cma, and handling a Claim from 3.9 to 1.4 ms).
 
 Messages travel in ``MessageBatch``es, one per transfer and direction: the
-thread posts them (sends within one byte window that all of the engine's sends
-share, taking turns, refilled as sends complete),
+thread posts them (sends within one byte window per endpoint that all sends to
+that peer share, taking turns, refilled as sends complete),
 counts the bytes that completed, and settles one future when all are done or
 one failed. Per message the caller's thread does no work at all, which is what
 keeps thousands of small pages (page_size 1) from costing an event-loop wakeup
@@ -170,9 +170,9 @@ class UcxEngine:
 
     def send(self, endpoint: EndpointId, messages: list[tuple[Any, int]],
              window_bytes: int) -> MessageBatch:
-        """Send each ``(buffer, tag)`` as one tagged message, in order, while this engine's
-        sends in flight, this batch's and every other's, stay under ``window_bytes``
-        (batches take turns, and each may always have one message in flight)."""
+        """Send each ``(buffer, tag)`` as one tagged message, in order, while the sends in
+        flight on ``endpoint``, this batch's and every other's, stay under
+        ``window_bytes`` (batches take turns, and each may always have one in flight)."""
         batch = MessageBatch(messages, window_bytes, endpoint)
         self._submit(lambda: self._open(batch))
         return batch
@@ -312,22 +312,25 @@ class UcxEngine:
         return True
 
     def _post_sends(self) -> None:
-        """Post waiting sends, one message per batch in turn, while the bytes in flight of
-        all batches stay under the window. A batch with nothing in flight may always post
-        one, so none starves, and a transfer that starts while others send waits behind
-        at most one window of their bytes, however many they are."""
+        """Post waiting sends, one message per batch in turn, while the bytes in flight on
+        each endpoint stay under the window. UCX sends an endpoint's messages in order, so
+        a transfer that starts while others send to the same peer waits behind at most
+        one window of their bytes, however many they are; other peers are not held up.
+        A batch with nothing in flight may always post one, so none starves."""
         queue = self._send_queue
-        in_flight = sum(b.posted_bytes for b in self._batches if b.endpoint is not None)
-        passed = 0  # batches in a row that had to wait for the window
+        in_flight: dict[EndpointId | None, int] = {}
+        for b in self._batches:
+            in_flight[b.endpoint] = in_flight.get(b.endpoint, 0) + b.posted_bytes
+        passed = 0  # batches in a row that had to wait for their endpoint's window
         while queue and passed < len(queue):
             batch = queue[0]
             if batch.future.done() or batch.next == len(batch.messages):
                 queue.popleft()
                 continue
-            if batch.posted and in_flight >= batch.window:
+            if batch.posted and in_flight[batch.endpoint] >= batch.window:
                 passed += 1
             elif self._post_next(batch):
-                in_flight += batch.posted[-1][1]
+                in_flight[batch.endpoint] += batch.posted[-1][1]
                 passed = 0
             queue.rotate(-1)
 

@@ -53,30 +53,41 @@ def test_a_waiting_receiver_sleeps_and_still_gets_its_messages(engines) -> None:
     assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
 
 
-def test_concurrent_sends_share_one_window(engines) -> None:
+def test_sends_to_one_peer_share_its_window_and_other_peers_have_their_own(engines) -> None:
     receiver, sender = engines
-    chunk = 1 << 20
-    src = np.random.default_rng(2).integers(0, 256, 32 * chunk, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    messages = [(src[i * chunk:(i + 1) * chunk], 100 + i) for i in range(32)]
-    endpoint = sender.connect(receiver.host, receiver.port)
-    first = sender.send(endpoint, messages[:16], 4 * chunk)
-    second = sender.send(endpoint, messages[16:], 4 * chunk)
-    # Nothing is received yet, so no (rendezvous) send can complete: what is posted is
-    # what the window let through. The first transfer filled it; the second may post
-    # its one message beside it, not a window of its own.
-    deadline = time.monotonic() + 10
-    while sender.posted_requests() < 5:
-        assert time.monotonic() < deadline, f"only {sender.posted_requests()} sends posted"
-        time.sleep(0.01)
-    time.sleep(0.3)
-    assert sender.posted_requests() == 5
-    assert (first.next, second.next) == (4, 1)
-    arrived = receiver.receive([(dst[i * chunk:(i + 1) * chunk], 100 + i) for i in range(32)])
-    for batch in (first, second, arrived):
-        batch.future.result(timeout=30)
-    assert np.array_equal(dst, src)
-    assert receiver.posted_requests() == 0 and sender.posted_requests() == 0
+    other = UcxEngine()
+    try:
+        chunk = 1 << 20
+        src = np.random.default_rng(2).integers(0, 256, 48 * chunk, dtype=np.uint8)
+        dst, dst_other = np.zeros(32 * chunk, dtype=np.uint8), np.zeros(16 * chunk, dtype=np.uint8)
+        messages = [(src[i * chunk:(i + 1) * chunk], 100 + i) for i in range(48)]
+        to_receiver = sender.connect(receiver.host, receiver.port)
+        to_other = sender.connect(other.host, other.port)
+        first = sender.send(to_receiver, messages[:16], 4 * chunk)
+        second = sender.send(to_receiver, messages[16:32], 4 * chunk)
+        elsewhere = sender.send(to_other, messages[32:], 4 * chunk)
+        # Nothing is received yet, so no (rendezvous) send can complete: what is posted is
+        # what the windows let through. The first transfer filled its peer's window; the
+        # second may post its one message beside it, not a window of its own; the other
+        # peer's window is untouched by both.
+        deadline = time.monotonic() + 10
+        while sender.posted_requests() < 9:
+            assert time.monotonic() < deadline, f"only {sender.posted_requests()} sends posted"
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert sender.posted_requests() == 9
+        assert (first.next, second.next, elsewhere.next) == (4, 1, 4)
+        arrived = receiver.receive([(dst[i * chunk:(i + 1) * chunk], 100 + i) for i in range(32)])
+        arrived_other = other.receive([(dst_other[i * chunk:(i + 1) * chunk], 132 + i)
+                                       for i in range(16)])
+        for batch in (first, second, elsewhere, arrived, arrived_other):
+            batch.future.result(timeout=30)
+        assert np.array_equal(dst, src[:32 * chunk]) and np.array_equal(dst_other, src[32 * chunk:])
+        assert sender.posted_requests() == 0
+        assert receiver.posted_requests() == 0 and other.posted_requests() == 0
+    finally:
+        sender.close()
+        other.close()
 
 
 def test_lanes_deal_one_transfer_over_both_sides_lanes() -> None:
