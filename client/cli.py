@@ -36,8 +36,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "advertise_address": args.advertise_address, "ucx_host": args.ucx_host,
         "ucx_port": args.ucx_port, "ucx_lanes": args.ucx_lanes,
         "ucx_error_handling": args.ucx_error_handling,
-        "chunk_bytes": args.chunk_bytes, "grace_s": args.grace, "metrics_port": args.metrics_port,
-        "shm_dir": args.shm_dir,
+        "chunk_bytes": args.chunk_bytes, "window_bytes": args.window_bytes,
+        "grace_s": args.grace, "metrics_port": args.metrics_port, "shm_dir": args.shm_dir,
     }
     config = load_config(args.config, overrides, args.pool, args.device)
     return run(config, args.ready_file)
@@ -187,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mid-transfer over cma can abort this daemon: only turn it off "
                         "where no peer can die uncleanly")
     s.add_argument("--chunk-bytes", type=int, help="largest UCX message (default 4 MiB)")
+    s.add_argument("--window-bytes", type=int,
+                   help="bytes in flight per peer (split over its lanes), shared by its transfers "
+                        "in turn (default 64 MiB); smaller lets a small transfer pass large "
+                        "ones sooner, at some bandwidth")
     s.add_argument("--grace", type=float, help="seconds running transfers get at shutdown (default 5)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.add_argument("--shm-dir", help="where CPU pools' shared memory lives (default /dev/shm)")

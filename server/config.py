@@ -105,6 +105,21 @@ class DaemonConfig:
     metrics_port: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        positive = ("ucx_lanes", "chunk_bytes", "window_bytes", "heartbeat_s",
+                    "default_timeout_s", "retain_transfers")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise InvalidSpecError(f"{name}={value!r}; expected a number above 0")
+        if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) \
+                or self.grace_s < 0:
+            raise InvalidSpecError(f"grace_s={self.grace_s!r}; expected 0 or more seconds")
+        if not 0 <= self.ucx_port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise InvalidSpecError(
+                f"ucx_port={self.ucx_port}, metrics_port={self.metrics_port}; "
+                "expected ports from 0 to 65535")
+
     @property
     def pool_names(self) -> list[str]:
         """Every pool name, in config order."""

@@ -53,3 +53,19 @@ def test_unknown_config_keys_are_refused(tmp_path: Path) -> None:
     path.write_text("pools: [{name: kv, preset: tiny}]\nworker_adress: unix:///x\n")
     with pytest.raises(InvalidSpecError, match=r"unknown config keys \['worker_adress'\]"):
         load_config(str(path))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"chunk_bytes": 0}, r"chunk_bytes=0; expected a number above 0"),
+        ({"window_bytes": -1}, r"window_bytes=-1; expected a number above 0"),
+        ({"ucx_lanes": 0}, r"ucx_lanes=0; expected a number above 0"),
+        ({"heartbeat_s": "often"}, r"heartbeat_s='often'; expected a number above 0"),
+        ({"grace_s": -1}, r"grace_s=-1; expected 0 or more seconds"),
+        ({"ucx_port": 70000}, r"expected ports from 0 to 65535"),
+    ],
+)
+def test_bad_transfer_settings_are_refused_clearly(overrides: dict, message: str) -> None:
+    with pytest.raises(InvalidSpecError, match=message):
+        load_config(overrides=overrides, pool_flags=["kv=tiny"])
