@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import socket
@@ -30,6 +31,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_port_run(count: int) -> int:
+    """A port with the ``count`` ports from it free on every interface (UCX listeners
+    bind 0.0.0.0), below the ephemeral range so no outgoing connection takes one
+    before the daemon binds them."""
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    for _ in range(200):
+        base = random.randrange(10_000, max(10_001, ephemeral_low - count))
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("0.0.0.0", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no run of {count} free ports found")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +175,7 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> No
 
 
 def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
-    port = free_port()
+    port = free_port_run(3)
     one = spawn("one-lane", [SMALL], extra_args=["--ucx-lanes", "1"])
     three = spawn("three-lanes", [SMALL], extra_args=["--ucx-lanes", "3", "--ucx-port", str(port)])
     assert three.ready_info["ucx_ports"] == [port, port + 1, port + 2]
