@@ -21,7 +21,6 @@ usage: python benchmarks/engine_bandwidth.py [--rounds 5] [--per-round 5] [--eh 
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import statistics
@@ -33,7 +32,7 @@ from typing import IO
 
 import numpy as np
 import xxhash
-from transfer_bandwidth import kernel_copy_gbps, protocol_for, ucx_env
+from transfer_bandwidth import kernel_copy_gbps, print_result, protocol_for, ucx_env
 
 TRANSFER_BYTES = 256 << 20
 WINDOW_BYTES = 64 << 20  # the daemon's default window
@@ -166,11 +165,7 @@ def main() -> int:
         "ratio_engine_vs_kernel_copy": round(statistics.median(ratios), 3),
         "bytes_verified": True,
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:<32} {value}")
+    print_result(result, args.json)
     return 0
 
 

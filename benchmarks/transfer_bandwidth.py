@@ -136,6 +136,16 @@ def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[
     return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
+def print_result(result: dict[str, object], as_json: bool) -> None:
+    """A benchmark's figures: one JSON object, or a line per figure."""
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    width = max(map(len, result)) + 2
+    for key, value in result.items():
+        print(f"{key:<{width}}{value}")
+
+
 def kernel_copy_gbps(path: str, piece: int, shm_dir: str, resend: bool = False,
                      idle_s: float = 0.0) -> float:
     """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""

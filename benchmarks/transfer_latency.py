@@ -18,13 +18,12 @@ usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 
-from transfer_bandwidth import daemon_pair, ucx_env
+from transfer_bandwidth import daemon_pair, print_result, ucx_env
 
 from kvxfer.client.bench import random_runs
 
@@ -90,11 +89,7 @@ def main() -> int:
         result[f"{name}_ms_median"] = _median_ms(values)
     for name, values in per_round.items():
         result[f"ratio_{name}_vs_grpc_health"] = round(statistics.median(values), 1)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        for key, value in result.items():
-            print(f"{key:44s} {value}")
+    print_result(result, args.json)
     return 0
 
 

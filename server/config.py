@@ -106,19 +106,18 @@ class DaemonConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        positive = ("ucx_lanes", "chunk_bytes", "window_bytes", "heartbeat_s",
-                    "default_timeout_s", "retain_transfers")
-        for name in positive:
+        above_zero = (lambda v: v > 0, "a number above 0")
+        port = (lambda v: 0 <= v <= 65535, "a port from 0 to 65535")
+        checks = {
+            "ucx_lanes": above_zero, "chunk_bytes": above_zero, "window_bytes": above_zero,
+            "heartbeat_s": above_zero, "default_timeout_s": above_zero,
+            "retain_transfers": above_zero, "grace_s": (lambda v: v >= 0, "0 or more seconds"),
+            "ucx_port": port, "metrics_port": port,
+        }
+        for name, (valid, expected) in checks.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise InvalidSpecError(f"{name}={value!r}; expected a number above 0")
-        if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) \
-                or self.grace_s < 0:
-            raise InvalidSpecError(f"grace_s={self.grace_s!r}; expected 0 or more seconds")
-        if not 0 <= self.ucx_port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise InvalidSpecError(
-                f"ucx_port={self.ucx_port}, metrics_port={self.metrics_port}; "
-                "expected ports from 0 to 65535")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+                raise InvalidSpecError(f"{name}={value!r}; expected {expected}")
 
     @property
     def pool_names(self) -> list[str]:

@@ -123,6 +123,9 @@ class PeerLinks:
             raise PeerUnavailableError(
                 f"cannot open UCX endpoints to {reply.ucx_host} ports {ports}: {exc}"
             ) from None
+        except BaseException:  # cancelled: the stream must not keep the peer's session alive
+            call.cancel()
+            raise
         link = PeerLink(address, session_id, stub, pools, endpoints)
         link.watch = asyncio.create_task(self._watch(link, call), name=f"watch {address}")
         log.info("session %s with peer %s (UCX %s, %d lanes)", session_id[:8], address,

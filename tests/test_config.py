@@ -63,7 +63,8 @@ def test_unknown_config_keys_are_refused(tmp_path: Path) -> None:
         ({"ucx_lanes": 0}, r"ucx_lanes=0; expected a number above 0"),
         ({"heartbeat_s": "often"}, r"heartbeat_s='often'; expected a number above 0"),
         ({"grace_s": -1}, r"grace_s=-1; expected 0 or more seconds"),
-        ({"ucx_port": 70000}, r"expected ports from 0 to 65535"),
+        ({"ucx_port": 70000}, r"ucx_port=70000; expected a port from 0 to 65535"),
+        ({"metrics_port": "9400x"}, r"metrics_port='9400x'; expected a port"),
     ],
 )
 def test_bad_transfer_settings_are_refused_clearly(overrides: dict, message: str) -> None:
