@@ -177,6 +177,24 @@ def _create_cuda(name: str, size_bytes: int, device: str) -> Arena:
     return Arena(name, device, raw, msg)
 
 
+def _check_file_size(fd: int, handle: pb.MemoryHandle) -> None:
+    """Refuse a file that cannot be the arena ``handle`` describes.
+
+    The file holds ``size_bytes``, rounded up to its file system's block size:
+    hugetlbfs (Kubernetes' ``HugePages`` volumes) allocates whole huge pages, so
+    a 96 KiB arena there is a 2 MiB file.
+    """
+    info = os.fstat(fd)
+    block = max(1, info.st_blksize)
+    largest = -(-handle.size_bytes // block) * block
+    if not handle.size_bytes <= info.st_size <= largest:
+        raise AttachError(
+            f"shared memory {handle.shm.path!r} has {info.st_size} bytes, expected "
+            f"{handle.size_bytes} (up to {largest} on a file system with {block}-byte blocks); "
+            f"is it another daemon's file?"
+        )
+
+
 @dataclass
 class Mapping:
     """A worker's mapping of a daemon's arena; close() unmaps it."""
@@ -207,13 +225,8 @@ def attach(handle: pb.MemoryHandle) -> Mapping:
                 f"{exc.strerror}; the worker must run on the daemon's node and share /dev/shm"
             ) from None
         try:
-            size = os.fstat(fd).st_size
-            if size != handle.size_bytes:
-                raise AttachError(
-                    f"shared memory {handle.shm.path!r} has {size} bytes, expected "
-                    f"{handle.size_bytes}"
-                )
-            mapping = _map(fd, size)
+            _check_file_size(fd, handle)
+            mapping = _map(fd, handle.size_bytes)
         finally:
             os.close(fd)
         return Mapping(torch.frombuffer(mapping, dtype=torch.uint8), mapping)
