@@ -82,13 +82,17 @@ def parse_run_length(text: str) -> tuple[int, int]:
 
 def random_runs(rng: random.Random, pages: list[int], total: int, lengths: tuple[int, int]) -> PageRuns:
     """``total`` pages as runs of consecutive pages from ``pages``, in shuffled order."""
-    runs, i = [], 0
-    while sum(c for _, c in runs) < total:
-        n = min(rng.randint(*lengths), total - sum(c for _, c in runs))
+    runs: list[tuple[int, int]] = []
+    placed = i = 0
+    while placed < total:
+        n = min(rng.randint(*lengths), total - placed)
+        if i + n > len(pages):
+            raise SystemExit(f"pool too small for the workload: {total} pages in runs of "
+                             f"{lengths[0]}-{lengths[1]} with gaps do not fit in {len(pages)}; "
+                             f"lower --pages or --concurrency")
         runs.append((pages[i], n))
+        placed += n
         i += n + rng.randint(1, 3)
-        if i >= len(pages):
-            raise SystemExit("pool too small for the workload: lower --pages or --concurrency")
     rng.shuffle(runs)
     return PageRuns.of(runs)
 
@@ -196,7 +200,15 @@ def _run(args: argparse.Namespace, lengths: tuple[int, int], stack: ExitStack) -
                         console=stderr, transient=args.json)
     bar = progress.add_task("transfers", total=total, rate="")
 
+    stopped: list[BaseException] = []  # why workers ended early (a thread's exception is lost)
+
     def worker(w: int) -> None:
+        try:
+            transfers(w)
+        except BaseException as exc:  # noqa: BLE001 - reported after the run
+            stopped.append(exc)
+
+    def transfers(w: int) -> None:
         rng = random.Random(args.seed * 1000 + w)
         my_pages = list(range(w * slice_pages, (w + 1) * slice_pages))
         with KvxferClient(args.prefill) as pre, KvxferClient(args.decode) as dec:
@@ -236,6 +248,8 @@ def _run(args: argparse.Namespace, lengths: tuple[int, int], stack: ExitStack) -
         for t in threads:
             t.join()
     seconds = time.perf_counter() - start
+    if stopped:
+        raise SystemExit(f"bench: a worker stopped early: {stopped[0]}")
     summary = _summary(args, results, seconds, src_desc.page_bytes)
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
+
+from kvxfer.client.bench import random_runs
+from kvxfer.pages import PageRuns
 
 ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
 
@@ -91,3 +95,19 @@ def test_bench_spawns_its_daemons_in_the_given_shm_dir(tmp_path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     assert json.loads(out.stdout)["verified"] is True
     assert list(shm_dir.iterdir()) == []  # the daemons removed their arenas on exit
+
+
+def test_random_runs_may_use_a_pool_up_to_its_last_page() -> None:
+    for seed in range(20):
+        assert random_runs(random.Random(seed), [0, 1, 2], 1, (1, 1)) == PageRuns.of([(0, 1)])
+    with pytest.raises(SystemExit, match="do not fit in 3"):
+        random_runs(random.Random(0), [0, 1, 2], 3, (1, 1))
+
+
+def test_bench_says_why_when_the_runs_do_not_fit_the_pool(spawn) -> None:
+    pre, dec = spawn("pre", ["name=kv,preset=tiny"]), spawn("dec", ["name=kv,preset=tiny"])
+    out = kvxfer("bench", "--prefill", pre.worker_address, "--decode", dec.worker_address,
+                 "--decode-peer", dec.peer_address, "--pages", "60", "--run-length", "1-1",
+                 "--transfers", "2", "--json")
+    assert out.returncode == 1 and out.stdout == ""
+    assert "pool too small for the workload" in out.stderr and "Traceback" not in out.stderr
