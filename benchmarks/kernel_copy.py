@@ -5,14 +5,23 @@ socket on loopback; this measures both directly, on the kind of memory kvxfer
 pools are (a MAP_SHARED|MAP_POPULATE file in /dev/shm, 4 KiB pages), walking
 256 MiB in 2 MiB pieces as a transfer does. No UCX, no Python per byte: one
 syscall per piece. It is the reference ``transfer_bandwidth.py`` reports beside
-ucx_perftest, which resends one cache-resident buffer from private memory.
-``--resend`` copies the first piece over and over instead, as ucx_perftest does,
-to show what cache residency alone is worth on the same memory. ``--idle-s S``
-sleeps before each repeat, to show what an idle machine costs a copy.
+ucx_perftest. ``--resend`` copies the first piece over and over instead, as
+ucx_perftest does, to show what cache residency alone is worth on the same
+memory. ``--idle-s S`` sleeps before each repeat, to show what an idle machine
+costs a copy.
+
+``--memory perftest`` copies between buffers of the kind ucx_perftest moves
+instead: it allocates them with ``ucp_mem_map(ALLOCATE)``, which on this host
+gives private anonymous memory advised for transparent huge pages (2 MiB pages:
+its receive buffer shows as AnonHugePages in /proc/PID/smaps), and it never
+writes its send buffer, so every byte it sends is read from the kernel's zero
+page (its sender's resident set stays at 2 MiB of a 256 MiB buffer). Here the
+source is such an untouched mapping and the destination such a huge-page
+mapping, populated before the first repeat as perftest's warm-up does.
 
 usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5] [--shm-dir D]
-       [--resend] [--idle-s S]
-Prints one JSON object: {"path": ..., "gbps": [...], "gbps_median": ...}.
+       [--memory pool|perftest] [--resend] [--idle-s S]
+Prints one JSON object: {"path": ..., "memory": ..., "gbps": [...], "gbps_median": ...}.
 """
 
 from __future__ import annotations
@@ -35,8 +44,10 @@ class IoVec(ctypes.Structure):
 
 
 SHM_DIR = "/dev/shm"  #: set by --shm-dir (a tmpfs mounted with huge=always gives 2 MiB pages)
+MEMORY = "pool"  #: set by --memory: "pool" (kvxfer's) or "perftest" (ucx_perftest's)
 RESEND = False  #: set by --resend: every piece is the buffer's first piece
 IDLE_S = 0.0  #: set by --idle-s: seconds asleep before each repeat
+HUGE_PAGE = 2 << 20
 
 
 def at(off: int, piece: int) -> int:
@@ -44,28 +55,40 @@ def at(off: int, piece: int) -> int:
     return off % piece if RESEND else off
 
 
-def shm_buffer(nbytes: int) -> mmap.mmap:
-    """A populated shared mapping of a file in SHM_DIR, as a kvxfer arena is."""
-    with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="kvxfer-bench-") as f:
-        os.posix_fallocate(f.fileno(), 0, nbytes)
-        return mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+class Buffer:
+    """``nbytes`` of memory of the kind ``MEMORY`` names, at ``addr`` (``view`` over the same)."""
 
-
-def address(buf: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    def __init__(self, nbytes: int, role: str) -> None:
+        if MEMORY == "pool":
+            with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="kvxfer-bench-") as f:
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+                self._map = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        else:
+            # Private and anonymous, advised for huge pages, one huge page of slack so the
+            # used part starts on a huge-page boundary; kept from a forked child (whose
+            # copy-on-write would otherwise tax the parent's first writes).
+            self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+            self._map.madvise(mmap.MADV_DONTFORK)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        start = 0 if MEMORY == "pool" else -base % HUGE_PAGE
+        self.addr = base + start
+        self.view = memoryview(self._map)[start : start + nbytes]
+        if role == "src" and MEMORY == "pool":
+            self.view[:] = os.urandom(1 << 20) * (nbytes >> 20)
+        elif role == "dst" and MEMORY == "perftest":
+            ctypes.memset(self.addr, 0, nbytes)  # populated, as perftest's warm-up leaves it
 
 
 def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int, out: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    src = shm_buffer(nbytes)
-    src[:] = os.urandom(1 << 20) * (nbytes >> 20)
-    src_addr = address(src)
+    src = Buffer(nbytes, "src")
     rates = []
     for _ in range(repeats):
         time.sleep(IDLE_S)
         start = time.perf_counter()
         for off in range(0, nbytes, piece):
-            local, remote = IoVec(src_addr + at(off, piece), piece), IoVec(dst_addr + at(off, piece), piece)
+            local, remote = IoVec(src.addr + at(off, piece), piece), IoVec(dst_addr + at(off, piece), piece)
             if libc.process_vm_writev(parent, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != piece:
                 raise OSError(ctypes.get_errno(), "process_vm_writev")
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
@@ -73,26 +96,25 @@ def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int,
 
 
 def tcp_child(port: int, nbytes: int, piece: int, repeats: int) -> None:
-    src = shm_buffer(nbytes)
-    view = memoryview(src)
+    src = Buffer(nbytes, "src")
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(repeats):
             sock.recv(1)  # the receiver's go-ahead for this round
             for off in range(0, nbytes, piece):
-                sock.sendall(view[at(off, piece) : at(off, piece) + piece])
+                sock.sendall(src.view[at(off, piece) : at(off, piece) + piece])
 
 
 def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
     """Fork a sender; the parent owns the destination. GB/s of each repeat."""
-    dst = shm_buffer(nbytes)
+    dst = Buffer(nbytes, "dst")
     if path == "cma":
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
             os.close(r)
             try:
-                cma_child(os.getppid(), address(dst), nbytes, piece, repeats, w)
+                cma_child(os.getppid(), dst.addr, nbytes, piece, repeats, w)
             except BaseException:
                 traceback.print_exc()
                 os._exit(1)
@@ -115,7 +137,7 @@ def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
         os._exit(0)
     conn, _ = listener.accept()
     conn.settimeout(60)
-    view = memoryview(dst)
+    view = dst.view
     rates = []
     for _ in range(repeats):
         time.sleep(IDLE_S)
@@ -142,14 +164,16 @@ def main() -> int:
     parser.add_argument("--piece", type=int, default=2 << 20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shm-dir", default="/dev/shm", help="where the buffers' files live")
+    parser.add_argument("--memory", choices=("pool", "perftest"), default="pool",
+                        help="kvxfer's pool memory (default) or ucx_perftest's (see above)")
     parser.add_argument("--resend", action="store_true",
                         help="copy the first piece every time (cache-resident, as ucx_perftest)")
     parser.add_argument("--idle-s", type=float, default=0.0, help="sleep before each repeat")
     args = parser.parse_args()
-    global SHM_DIR, RESEND, IDLE_S
-    SHM_DIR, RESEND, IDLE_S = args.shm_dir, args.resend, args.idle_s
+    global SHM_DIR, MEMORY, RESEND, IDLE_S
+    SHM_DIR, MEMORY, RESEND, IDLE_S = args.shm_dir, args.memory, args.resend, args.idle_s
     rates = measure(args.path, args.bytes, args.piece, args.repeats)
-    print(json.dumps({"path": args.path, "gbps": [round(r, 3) for r in rates],
+    print(json.dumps({"path": args.path, "memory": args.memory, "gbps": [round(r, 3) for r in rates],
                       "gbps_median": round(statistics.median(rates), 3)}))
     return 0
 

@@ -14,13 +14,16 @@ not assumed. ucx_perftest runs without ``-e``: with ``-e`` it connects by worker
 address and UCX falls back to eager copy-in/copy-out on tcp, a protocol kvxfer
 never uses (its listener-created endpoints keep rendezvous zero-copy).
 
-ucx_perftest resends one buffer from private memory, which flatters it; one 256
-MiB message (the bytes of a whole transfer) is the second reference, and the
-third is the kernel's own ceiling for the transport on kvxfer's kind of memory
-(``kernel_copy.py``: process_vm_writev for cma, a loopback socket for tcp,
-between /dev/shm mappings, 2 MiB per syscall). The same copy resending one
-chunk-sized buffer, as ucx_perftest does, shows what cache residency alone is
-worth on that memory (``kernel_copy_resend``).
+ucx_perftest resends one buffer, never written, into private huge-page memory,
+which flatters it; one 256 MiB message (the bytes of a whole transfer) is the
+second reference, and the third is the kernel's own ceiling for the transport on
+kvxfer's kind of memory (``kernel_copy.py``: process_vm_writev for cma, a loopback
+socket for tcp, between /dev/shm mappings, 2 MiB per syscall). The same copy
+resending one chunk-sized buffer, as ucx_perftest does, shows what cache
+residency alone is worth on that memory (``kernel_copy_resend``), and the same
+two copies on ucx_perftest's kind of memory (``kernel_copy.py --memory
+perftest``: an untouched source, a huge-page destination) show the ceiling
+ucx_perftest itself runs under (``kernel_copy_perftest_memory``, ``..._resend``).
 The machine is shared and noisy, so the cases run interleaved, round by round,
 and each ratio is the median of the per-round ratios:
 
@@ -30,6 +33,8 @@ and each ratio is the median of the per-round ratios:
     kvxfer page_size 1 / kvxfer page_size 16                               (target >= 0.8)
     kvxfer page_size 16 over --extra-lanes UCX lanes / over --lanes (what lanes buy)
     the kernel copy resending one buffer / the kernel copy (what resending is worth)
+    ucx_perftest / the kernel copy on its own memory, resending as it does (and for
+        one 256 MiB message, walking): how close UCX itself gets to its ceiling
 
 The data phase is the receiver's ``data_seconds`` (its receives posted to the
 last message arrived); the rest of a transfer is control plane (gRPC calls).
@@ -147,11 +152,12 @@ def print_result(result: dict[str, object], as_json: bool) -> None:
 
 
 def kernel_copy_gbps(path: str, piece: int, shm_dir: str, resend: bool = False,
-                     idle_s: float = 0.0) -> float:
+                     idle_s: float = 0.0, memory: str = "pool") -> float:
     """Median GB/s of ``kernel_copy.py`` (run in a fresh process: it forks)."""
     out = subprocess.run([sys.executable, str(Path(__file__).with_name("kernel_copy.py")), path,
                           "--piece", str(piece), "--repeats", "3", "--shm-dir", shm_dir,
-                          "--idle-s", str(idle_s), *(["--resend"] if resend else [])],
+                          "--idle-s", str(idle_s), "--memory", memory,
+                          *(["--resend"] if resend else [])],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     return float(json.loads(out)["gbps_median"])
 
@@ -214,12 +220,16 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
                                                        "kvxfer_ps16_extra_lanes",
                                                        "kvxfer_ps1", "perftest_chunk",
                                                        "perftest_256MiB", "perftest_128KiB",
-                                                       "kernel_copy", "kernel_copy_resend")}
+                                                       "kernel_copy", "kernel_copy_resend",
+                                                       "kernel_copy_perftest_memory",
+                                                       "kernel_copy_perftest_memory_resend")}
     ratios: dict[str, list[float]] = {"kvxfer_vs_perftest": [], "kvxfer_vs_perftest_256MiB": [],
                                       "kvxfer_vs_kernel_copy": [], "kvxfer_data_vs_kernel_copy": [],
                                       "ps1_vs_ps16": [], "extra_lanes_vs_lanes": [],
                                       "perftest_128KiB_vs_chunk": [],
-                                      "kernel_copy_resend_vs_kernel_copy": []}
+                                      "kernel_copy_resend_vs_kernel_copy": [],
+                                      "perftest_vs_kernel_copy_perftest_memory_resend": [],
+                                      "perftest_256MiB_vs_kernel_copy_perftest_memory": []}
     with daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir, lanes) as ps16, \
             daemon_pair("llama8b", 128, env, chunk_bytes, error_handling, shm_dir,
                         extra_lanes) as more, \
@@ -245,12 +255,17 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             path = "tcp" if transport == "tcp" else "cma"
             kernel = kernel_copy_gbps(path, chunk_bytes, shm_dir)
             kernel_resend = kernel_copy_gbps(path, chunk_bytes, shm_dir, resend=True)
+            kernel_pt = kernel_copy_gbps(path, chunk_bytes, shm_dir, memory="perftest")
+            kernel_pt_resend = kernel_copy_gbps(path, chunk_bytes, shm_dir, resend=True,
+                                                memory="perftest")
             perftest_protocols.add(protos)
             for name, value in (("kvxfer_ps16", a), ("kvxfer_ps16_data", a_data),
                                 ("kvxfer_ps16_extra_lanes", c),
                                 ("kvxfer_ps1", b), ("perftest_chunk", ref),
                                 ("perftest_256MiB", ref_big), ("perftest_128KiB", ref_small),
-                                ("kernel_copy", kernel), ("kernel_copy_resend", kernel_resend)):
+                                ("kernel_copy", kernel), ("kernel_copy_resend", kernel_resend),
+                                ("kernel_copy_perftest_memory", kernel_pt),
+                                ("kernel_copy_perftest_memory_resend", kernel_pt_resend)):
                 samples[name].append(value)
             ratios["kvxfer_vs_perftest"].append(a / ref)
             ratios["kvxfer_vs_perftest_256MiB"].append(a / ref_big)
@@ -260,6 +275,8 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
             ratios["extra_lanes_vs_lanes"].append(c / a)
             ratios["perftest_128KiB_vs_chunk"].append(ref_small / ref)
             ratios["kernel_copy_resend_vs_kernel_copy"].append(kernel_resend / kernel)
+            ratios["perftest_vs_kernel_copy_perftest_memory_resend"].append(ref / kernel_pt_resend)
+            ratios["perftest_256MiB_vs_kernel_copy_perftest_memory"].append(ref_big / kernel_pt)
     result: dict[str, object] = {
         "kvxfer_protocol": kvxfer_protocol,
         "perftest_protocol": " / ".join(sorted(perftest_protocols)),
