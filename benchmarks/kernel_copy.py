@@ -88,8 +88,9 @@ def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int,
         time.sleep(IDLE_S)
         start = time.perf_counter()
         for off in range(0, nbytes, piece):
-            local, remote = IoVec(src.addr + at(off, piece), piece), IoVec(dst_addr + at(off, piece), piece)
-            if libc.process_vm_writev(parent, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != piece:
+            size = min(piece, nbytes - off)  # the last piece may be short
+            local, remote = IoVec(src.addr + at(off, piece), size), IoVec(dst_addr + at(off, piece), size)
+            if libc.process_vm_writev(parent, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) != size:
                 raise OSError(ctypes.get_errno(), "process_vm_writev")
         rates.append(nbytes / (time.perf_counter() - start) / 1e9)
     os.write(out, json.dumps(rates).encode())

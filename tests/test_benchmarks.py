@@ -25,7 +25,7 @@ def run_benchmark(script: str, *args: str, timeout: float = 240) -> dict:
 @pytest.mark.parametrize("path", ["cma", "tcp"])
 def test_kernel_copy_measures_each_path_and_mode(path: str) -> None:
     for extra in ([], ["--resend"], ["--idle-s", "0.05"], ["--memory", "perftest"],
-                  ["--memory", "perftest", "--resend"]):
+                  ["--memory", "perftest", "--resend"], ["--piece", str(3 << 20)]):
         got = run_benchmark("kernel_copy.py", path, "--bytes", str(8 << 20), "--repeats", "2",
                             *extra, timeout=60)
         assert got["path"] == path and len(got["gbps"]) == 2
