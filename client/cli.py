@@ -193,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ones sooner, at some bandwidth")
     s.add_argument("--grace", type=float, help="seconds running transfers get at shutdown (default 5)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    s.add_argument("--shm-dir", help="where CPU pools' shared memory lives (default /dev/shm)")
+    s.add_argument("--shm-dir", help="where CPU pools' shared memory lives (default /dev/shm); a "
+                                     "hugetlbfs mount or a tmpfs mounted with huge=always gives "
+                                     "them 2 MiB pages, which copy faster over cma (README)")
     s.add_argument("--ready-file", help="write a JSON line with the bound addresses once serving")
     s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
 
