@@ -103,7 +103,7 @@ def tcp_child(port: int, nbytes: int, piece: int, repeats: int) -> None:
         for _ in range(repeats):
             sock.recv(1)  # the receiver's go-ahead for this round
             for off in range(0, nbytes, piece):
-                sock.sendall(src.view[at(off, piece) : at(off, piece) + piece])
+                sock.sendall(src.view[at(off, piece) : at(off, piece) + min(piece, nbytes - off)])
 
 
 def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
