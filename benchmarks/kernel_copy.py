@@ -21,7 +21,8 @@ mapping, populated before the first repeat as perftest's warm-up does.
 
 usage: python benchmarks/kernel_copy.py cma|tcp [--bytes N] [--piece N] [--repeats 5] [--shm-dir D]
        [--memory pool|perftest] [--resend] [--idle-s S]
-Prints one JSON object: {"path": ..., "memory": ..., "gbps": [...], "gbps_median": ...}.
+Prints one JSON object: {"path": ..., "memory": ..., "gbps": [...], "gbps_median": ...,
+"dst_huge_page_share": ...} (how much of the destination the kernel backed with huge pages).
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ class Buffer:
             ctypes.memset(self.addr, 0, nbytes)  # populated, as perftest's warm-up leaves it
 
 
+#: smaps fields that count memory mapped with huge pages (anonymous THP, shmem/tmpfs, hugetlbfs)
+HUGE_FIELDS = ("AnonHugePages:", "ShmemPmdMapped:", "FilePmdMapped:", "Shared_Hugetlb:", "Private_Hugetlb:")
+
+
+def huge_page_share(addr: int, nbytes: int) -> float:
+    """The share of ``nbytes`` at ``addr`` that this process maps with huge pages (/proc/self/smaps)."""
+    huge, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            key = line.split(None, 1)[0]
+            if not key.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                low, high = (int(x, 16) for x in key.split("-"))
+                inside = low < addr + nbytes and high > addr
+            elif inside and key in HUGE_FIELDS:
+                huge += int(line.split()[1]) * 1024
+    return min(1.0, huge / nbytes)
+
+
 def cma_child(parent: int, dst_addr: int, nbytes: int, piece: int, repeats: int, out: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     src = Buffer(nbytes, "src")
@@ -106,9 +125,15 @@ def tcp_child(port: int, nbytes: int, piece: int, repeats: int) -> None:
                 sock.sendall(src.view[at(off, piece) : at(off, piece) + min(piece, nbytes - off)])
 
 
-def measure(path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
-    """Fork a sender; the parent owns the destination. GB/s of each repeat."""
+def measure(path: str, nbytes: int, piece: int, repeats: int) -> tuple[list[float], float]:
+    """Fork a sender; the parent owns the destination. GB/s of each repeat, and the share
+    of the destination on huge pages."""
     dst = Buffer(nbytes, "dst")
+    return copy(dst, path, nbytes, piece, repeats), huge_page_share(dst.addr, nbytes)
+
+
+def copy(dst: Buffer, path: str, nbytes: int, piece: int, repeats: int) -> list[float]:
+    """GB/s of each repeat of a forked sender's copy into ``dst``."""
     if path == "cma":
         r, w = os.pipe()
         pid = os.fork()
@@ -173,9 +198,10 @@ def main() -> int:
     args = parser.parse_args()
     global SHM_DIR, MEMORY, RESEND, IDLE_S
     SHM_DIR, MEMORY, RESEND, IDLE_S = args.shm_dir, args.memory, args.resend, args.idle_s
-    rates = measure(args.path, args.bytes, args.piece, args.repeats)
+    rates, huge = measure(args.path, args.bytes, args.piece, args.repeats)
     print(json.dumps({"path": args.path, "memory": args.memory, "gbps": [round(r, 3) for r in rates],
-                      "gbps_median": round(statistics.median(rates), 3)}))
+                      "gbps_median": round(statistics.median(rates), 3),
+                      "dst_huge_page_share": round(huge, 3)}))
     return 0
 
 

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: Whether madvise(MADV_HUGEPAGE) gets anonymous memory huge pages here ("[never]" otherwise).
+THP_ENABLED = THP.exists() and "[never]" not in THP.read_text()
 
 
 def run_benchmark(script: str, *args: str, timeout: float = 240) -> dict:
@@ -31,6 +34,9 @@ def test_kernel_copy_measures_each_path_and_mode(path: str) -> None:
         assert got["path"] == path and len(got["gbps"]) == 2
         assert got["memory"] == ("perftest" if "perftest" in extra else "pool")
         assert all(rate > 0 for rate in got["gbps"])
+        if "perftest" in extra and THP_ENABLED:
+            assert got["dst_huge_page_share"] > 0.5, "perftest's kind of memory is huge pages"
+
 
 
 @pytest.mark.parametrize("eh, transport", [("on", "tcp"), ("off", "cma")])
