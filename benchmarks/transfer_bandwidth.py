@@ -68,7 +68,7 @@ import torch
 from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
 from kvxfer.client.spawn import LocalDaemon
-from kvxfer.transport import UCX_DEFAULTS
+from kvxfer.transport import LOOPBACK_ENV, UCX_DEFAULTS
 
 #: The UCX transport names of a protocol row mapped to what UCX_TLS must allow.
 TLS_OF = {"tcp": "tcp", "cma": "cma,tcp", "posix": "posix,tcp", "sysv": "sysv,tcp", "knem": "knem,tcp"}
@@ -76,7 +76,7 @@ TLS_OF = {"tcp": "tcp", "cma": "cma,tcp", "posix": "posix,tcp", "sysv": "sysv,tc
 
 def ucx_env() -> dict[str, str]:
     """The UCX settings both kvxfer and ucx_perftest run with."""
-    return {"UCX_NET_DEVICES": "lo", **UCX_DEFAULTS}
+    return {**LOOPBACK_ENV, **UCX_DEFAULTS}
 
 
 def _size(text: str) -> float:

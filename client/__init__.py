@@ -1,5 +1,13 @@
-"""The worker-side client library and the ``kvxfer`` command line."""
+"""The worker side of kvxfer, as the package ``kvxfer.client``.
 
-from kvxfer.client.library import AttachedPool, KvxferClient, TransferInfo
+- ``library``: ``KvxferClient`` (a daemon's worker API) and ``AttachedPool`` (its memory, mapped);
+- ``handoff``: one transfer between a prefill and a decode daemon, driven from one place;
+- ``spawn``: local daemons as subprocesses (the demo, ``bench --spawn``, tests);
+- ``cli``, ``bench``, ``demo``: the ``kvxfer`` command line.
+"""
 
-__all__ = ["AttachedPool", "KvxferClient", "TransferInfo"]
+from kvxfer.client.handoff import Handoff, hand_off
+from kvxfer.client.library import AttachedPool, KvxferClient
+from kvxfer.status import TransferInfo
+
+__all__ = ["AttachedPool", "Handoff", "KvxferClient", "TransferInfo", "hand_off"]

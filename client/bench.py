@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvxfer.client.handoff import hand_off
 from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.pages import PageRuns
@@ -112,24 +113,10 @@ class Results:
 
 def _one_transfer(args: argparse.Namespace, prefill: KvxferClient, decode: KvxferClient,
                   tid: str, src: PageRuns, dst: PageRuns) -> tuple[bool, str]:
-    if args.mode == "push":
-        decode.expect(tid, args.pool, dst, timeout_s=args.timeout)
-        prefill.push(tid, args.pool, src, peer=args.decode_peer, timeout_s=args.timeout,
-                     verify=args.verify)
-    else:
-        prefill.offer(tid, args.pool, src, timeout_s=args.timeout, verify=args.verify)
-        decode.pull(tid, args.prefill_peer, args.pool, dst, timeout_s=args.timeout)
-    # Wait on the side that drives the transfer first; if it failed, end the other side
-    # now (as an engine would) instead of letting it run into its deadline.
-    first, second = (prefill, decode) if args.mode == "push" else (decode, prefill)
-    status = first.wait(tid, timeout_s=args.timeout + 5)
-    if not status.ok:
-        second.abort(tid, f"the other side ended {status.state.name}")
-        return False, status.error_code or status.state.name
-    status = second.wait(tid, timeout_s=args.timeout + 5)
-    if not status.ok:
-        return False, status.error_code or status.state.name
-    return True, ""
+    done = hand_off(prefill, decode, tid, pool=args.pool, src=src, dst=dst,
+                    decode_peer=args.decode_peer or "", prefill_peer=args.prefill_peer or "",
+                    mode=args.mode, verify=args.verify, timeout_s=args.timeout)
+    return done.ok, done.why
 
 
 def _same_pages(src_pool: AttachedPool, dst_pool: AttachedPool, src: PageRuns, dst: PageRuns) -> bool:

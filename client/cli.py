@@ -27,19 +27,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import faulthandler
 
     from kvxfer.server.config import load_config
-
-    faulthandler.enable()  # a crash in native code (UCX) still leaves a stack trace in the log
     from kvxfer.server.daemon import run
 
-    overrides = {
-        "worker_address": args.worker_address, "peer_address": args.peer_address,
-        "advertise_address": args.advertise_address, "ucx_host": args.ucx_host,
-        "ucx_port": args.ucx_port, "ucx_lanes": args.ucx_lanes,
-        "ucx_error_handling": args.ucx_error_handling,
-        "chunk_bytes": args.chunk_bytes, "window_bytes": args.window_bytes,
-        "grace_s": args.grace, "metrics_port": args.metrics_port, "shm_dir": args.shm_dir,
-    }
-    config = load_config(args.config, overrides, args.pool, args.device)
+    faulthandler.enable()  # a crash in native code (UCX) still leaves a stack trace in the log
+    config = load_config(args.config, pool_flags=args.pool, cli=args.settings(parsed_args=args))
     return run(config, args.ready_file)
 
 
@@ -162,42 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    s = add("serve", "Run a kvxfer daemon that owns KV pools and serves them over gRPC.", cmd_serve)
-    s.add_argument("--config", help="YAML config file (pools, arenas, addresses); flags override it")
+    s = add("serve", "Run a kvxfer daemon that owns KV pools and serves them over gRPC. Every "
+                     "setting below is also a key of the --config file and an environment "
+                     "variable KVXFER_<KEY> (flag > environment > file > default).", cmd_serve)
+    s.add_argument("--config", help="YAML config file (settings, pools, arenas)")
     s.add_argument("--pool", action="append", default=[], metavar="SPEC",
                    help="a pool: NAME=PRESET (llama8b, llama8b-ps1, tiny, mla-small, mamba-small) "
-                        "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable)")
-    s.add_argument("--device", help="device for pools without one: cpu (default) or cuda:N")
-    s.add_argument("--worker-address", help=f"address for workers on this node (default {DEFAULT_ADDRESS})")
-    s.add_argument("--peer-address", help="host:port for peer daemons (default 127.0.0.1:7500; port 0 picks one)")
-    s.add_argument("--advertise-address", help="host:port peers should use to reach us, when binding 0.0.0.0")
-    s.add_argument("--ucx-host", help="address the UCX listener is reached at (default 127.0.0.1)")
-    s.add_argument("--ucx-port", type=int,
-                   help="UCX listener port of data lane 0; lane i listens on PORT+i (default 0: "
-                        "any free ports)")
-    s.add_argument("--ucx-lanes", type=int,
-                   help="UCX workers, each with its own thread, that move one transfer's chunks "
-                        "side by side (default 1; peers use the smaller count of the two). Over "
-                        "shared memory (cma: UCX error handling off) each lane copies on its own "
-                        "core; over tcp on 2 cores a second lane made transfers slower")
-    s.add_argument("--ucx-error-handling", action=argparse.BooleanOptionalAction, default=None,
-                   help="UCX peer error handling (default on; every daemon must agree). Off lets "
-                        "UCX copy over shared memory (cma) between daemons on one node, "
-                        "1.2-1.7x faster in our loopback runs, but a peer that dies "
-                        "mid-transfer over cma can abort this daemon: only turn it off "
-                        "where no peer can die uncleanly")
-    s.add_argument("--chunk-bytes", type=int, help="largest UCX message (default 4 MiB)")
-    s.add_argument("--window-bytes", type=int,
-                   help="bytes in flight per peer (split over its lanes), shared by its transfers "
-                        "in turn (default 64 MiB); smaller lets a small transfer pass large "
-                        "ones sooner, at some bandwidth")
-    s.add_argument("--grace", type=float, help="seconds running transfers get at shutdown (default 5)")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
-    s.add_argument("--shm-dir", help="where CPU pools' shared memory lives (default /dev/shm); a "
-                                     "hugetlbfs mount or a tmpfs mounted with huge=always gives "
-                                     "them 2 MiB pages, which copy faster over cma (README)")
-    s.add_argument("--ready-file", help="write a JSON line with the bound addresses once serving")
+                        "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable; served "
+                        "after the config file's pools)")
+    s.add_argument("--ready-file", help="write a JSON line with the bound addresses and ports "
+                                        "once serving")
     s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    from pydantic_settings import CliSettingsSource
+
+    from kvxfer.server.config import DaemonConfig
+
+    s.set_defaults(settings=CliSettingsSource(DaemonConfig, root_parser=s))
 
     for name, help_, func in (
         ("pools", "List the pools a daemon serves.", cmd_pools),

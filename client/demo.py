@@ -17,6 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvxfer.client.handoff import hand_off
 from kvxfer.client.library import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.pages import PageRuns
@@ -61,11 +62,10 @@ def run_demo(args: argparse.Namespace) -> int:
         before = dst_pool.raw.clone()
         src, dst = PageRuns.from_pages(src_pages), PageRuns.from_pages(dst_pages)
         start = time.perf_counter()
-        decode.expect("demo-request", "kv", dst, timeout_s=30)
-        prefill.push("demo-request", "kv", src, peer=dec.peer_address, timeout_s=30, verify=True)
-        sent = prefill.wait("demo-request", timeout_s=30)
-        got = decode.wait("demo-request", timeout_s=30)
+        done = hand_off(prefill, decode, "demo-request", pool="kv", src=src, dst=dst,
+                        decode_peer=dec.peer_address, verify=True, timeout_s=30)
         wall = time.perf_counter() - start
+        sent, got = done.sent, done.received
         layers_ok = all(
             torch.equal(sk[s], dk[d]) and torch.equal(sv[s], dv[d])
             for sk, sv, dk, dv in zip(src_pool.views.k, src_pool.views.v,

@@ -18,7 +18,6 @@ Errors from the daemon arrive as typed ``kvxfer.errors`` exceptions.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,59 +25,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import error_for_status
 from kvxfer.layout import PoolViews
-from kvxfer.memory import Mapping, attach
+from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.states import TransferRole, TransferState
+from kvxfer.status import TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxfer.wire import runs_to_proto
+from kvxfer.wire.codec import (
+    descriptor_from_proto,
+    extents_from_proto,
+    info_from_proto,
+    memory_from_proto,
+    runs_to_proto,
+)
+from kvxfer.wire.status import from_rpc_error
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class TransferInfo:
-    """One side's view of a transfer, as the daemon reported it."""
-
-    transfer_id: str
-    role: TransferRole
-    state: TransferState
-    pool: str
-    peer: str
-    pages: int
-    bytes: int
-    bytes_done: int
-    extents: int
-    seconds: float
-    error_code: str
-    error: str
-    verified: bool
-    data_seconds: float
-    lanes: int
-
-    @property
-    def ok(self) -> bool:
-        """True when the transfer finished and every byte arrived."""
-        return self.state == TransferState.DONE
-
-    @classmethod
-    def from_proto(cls, msg: pb.TransferStatus) -> TransferInfo:
-        """Decode a ``TransferStatus`` message."""
-        return cls(
-            transfer_id=msg.transfer_id, role=TransferRole(msg.role), state=TransferState(msg.state),
-            pool=msg.pool, peer=msg.peer, pages=msg.pages, bytes=msg.bytes,
-            bytes_done=msg.bytes_done, extents=msg.extents, seconds=msg.seconds,
-            error_code=msg.error_code, error=msg.error, verified=msg.verified,
-            data_seconds=msg.data_seconds, lanes=msg.lanes,
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (enums by name)."""
-        out = dict(self.__dict__)
-        out["role"], out["state"] = self.role.name, self.state.name
-        return out
 
 
 class AttachedPool:
@@ -86,7 +48,7 @@ class AttachedPool:
 
     __slots__ = ("descriptor", "memory", "views", "_mapping")
 
-    def __init__(self, descriptor: PoolDescriptor, memory: pb.MemoryHandle) -> None:
+    def __init__(self, descriptor: PoolDescriptor, memory: MemoryHandle) -> None:
         self.descriptor = descriptor
         self.memory = memory
         self._mapping: Mapping | None = attach(memory)
@@ -137,25 +99,27 @@ class KvxferClient:
         try:
             return method(request, timeout=timeout or self.timeout_s)
         except grpc.RpcError as exc:
-            raise error_for_status(exc.code().name, exc.details() or str(exc)) from None
+            assert isinstance(exc, grpc.Call)  # what grpc raises for a failed call is both
+            raise from_rpc_error(exc) from None
 
     # -- pools --------------------------------------------------------------------
 
-    def pools(self) -> list[tuple[PoolDescriptor, pb.MemoryHandle]]:
+    def pools(self) -> list[tuple[PoolDescriptor, MemoryHandle]]:
         """Every pool the daemon serves, with the handle to attach to its memory."""
         reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
-        return [(PoolDescriptor.from_proto(p.descriptor), p.memory) for p in reply.pools]
+        return [(descriptor_from_proto(p.descriptor), memory_from_proto(p.memory))
+                for p in reply.pools]
 
-    def describe(self, pool: str) -> tuple[PoolDescriptor, pb.MemoryHandle]:
+    def describe(self, pool: str) -> tuple[PoolDescriptor, MemoryHandle]:
         """One pool's descriptor and memory handle."""
         reply = self._call(self._stub.DescribePool, pb.DescribePoolRequest(pool=pool))
-        return PoolDescriptor.from_proto(reply.descriptor), reply.memory
+        return descriptor_from_proto(reply.descriptor), memory_from_proto(reply.memory)
 
     def describe_pages(self, pool: str, runs: PageRuns) -> list[Extent]:
         """The byte extents (offsets in the arena) of ``runs``."""
         reply = self._call(self._stub.DescribePages,
                            pb.DescribePagesRequest(pool=pool, runs=runs_to_proto(runs)))
-        return [Extent(e.src_offset, e.dst_offset, e.nbytes) for e in reply.extents]
+        return extents_from_proto(reply.extents)
 
     def attach(self, pool: str) -> AttachedPool:
         """Map ``pool``'s memory and build its views (same node only)."""
@@ -174,43 +138,43 @@ class KvxferClient:
         """Register destination pages for ``transfer_id`` (decode side)."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
-        return TransferInfo.from_proto(self._call(self._stub.Expect, req))
+        return info_from_proto(self._call(self._stub.Expect, req))
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
              timeout_s: float = 0.0, verify: bool = False) -> TransferInfo:
         """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side)."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                              peer=peer, timeout_s=timeout_s, verify=verify)
-        return TransferInfo.from_proto(self._call(self._stub.Push, req))
+        return info_from_proto(self._call(self._stub.Push, req))
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
               verify: bool = False) -> TransferInfo:
         """Make ``src_runs`` available for a peer's pull (prefill side)."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify)
-        return TransferInfo.from_proto(self._call(self._stub.Offer, req))
+        return info_from_proto(self._call(self._stub.Offer, req))
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float = 0.0) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side)."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
-        return TransferInfo.from_proto(self._call(self._stub.Pull, req))
+        return info_from_proto(self._call(self._stub.Pull, req))
 
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:
         """Block until ``transfer_id`` is final; its state says how it ended."""
         req = pb.WaitRequest(transfer_id=transfer_id, timeout_s=timeout_s)
-        return TransferInfo.from_proto(self._call(self._stub.Wait, req, timeout=timeout_s + 5))
+        return info_from_proto(self._call(self._stub.Wait, req, timeout=timeout_s + 5))
 
     def abort(self, transfer_id: str, reason: str = "") -> TransferInfo:
         """End ``transfer_id`` on both sides."""
         req = pb.AbortRequest(transfer_id=transfer_id, reason=reason)
-        return TransferInfo.from_proto(self._call(self._stub.Abort, req))
+        return info_from_proto(self._call(self._stub.Abort, req))
 
     def transfers(self) -> list[TransferInfo]:
         """In-flight and recent transfers, oldest first."""
         reply = self._call(self._stub.ListTransfers, pb.ListTransfersRequest())
-        return [TransferInfo.from_proto(t) for t in reply.transfers]
+        return [info_from_proto(t) for t in reply.transfers]
 
     def close(self) -> None:
         """Close the channel."""

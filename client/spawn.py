@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from kvxfer.memory import remove_stale_arenas
+from kvxfer.transport import LOOPBACK_ENV
 
 
 class LocalDaemon:
@@ -22,14 +23,20 @@ class LocalDaemon:
     def __init__(self, name: str, pool_flags: list[str], *, workdir: str | None = None,
                  env: dict[str, str] | None = None, extra_args: list[str] | None = None,
                  log_level: str = "warning", host: str = "127.0.0.1",
-                 command_prefix: list[str] | None = None, shm_dir: str = "/dev/shm") -> None:
-        """``host`` is the address the peer port and UCX listen on; ``command_prefix``
-        wraps the command (e.g. ``ip netns exec NS`` to run it in a network namespace);
-        ``shm_dir`` is where its CPU pools live (swept of its files if it is killed)."""
+                 command_prefix: list[str] | None = None, shm_dir: str = "/dev/shm",
+                 metrics: bool = False) -> None:
+        """``host`` is the address the peer port and UCX listen on (every port is picked by
+        the daemon and read back from its ready file); ``command_prefix`` wraps the command
+        (e.g. ``ip netns exec NS`` to run it in a network namespace); ``shm_dir`` is where
+        its CPU pools live (swept of its files if it is killed); ``metrics`` serves its
+        Prometheus metrics on a free port (``metrics_port``)."""
         self.name = name
         self.shm_dir = shm_dir
-        self._tmp = tempfile.TemporaryDirectory(prefix=f"kvxfer-{name}-") if workdir is None else None
-        self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix=f"kvxfer-{name}-")
+            workdir = self._tmp.name
+        self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._ready = self.workdir / f"{name}.ready.json"
         self.log_path = self.workdir / f"{name}.log"
@@ -38,12 +45,14 @@ class LocalDaemon:
             "--worker-address", f"unix://{self.workdir / (name + '.sock')}",
             "--peer-address", f"{host}:0", "--ucx-host", host,
             "--ready-file", str(self._ready), "--log-level", log_level, "--shm-dir", shm_dir,
-            *[a for p in pool_flags for a in ("--pool", p)], *(extra_args or []),
+            *[a for p in pool_flags for a in ("--pool", p)],
+            *(["--metrics-port", "0"] if metrics else []), *(extra_args or []),
         ]
-        self.env = {**os.environ, "UCX_NET_DEVICES": "lo", **(env or {})}
+        self.env = {**os.environ, **LOOPBACK_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
         self.worker_address = ""
         self.peer_address = ""
+        self.metrics_port: int | None = None
         self.ready_info: dict[str, Any] = {}  # what the daemon wrote to its ready file
 
     @property
@@ -69,6 +78,7 @@ class LocalDaemon:
         self.ready_info = json.loads(self._ready.read_text())
         self.worker_address = self.ready_info["worker_address"]
         self.peer_address = self.ready_info["peer_address"]
+        self.metrics_port = self.ready_info["metrics_port"]
         return self
 
     def log(self) -> str:

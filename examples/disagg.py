@@ -35,6 +35,7 @@ import torch
 import yaml
 
 from kvxfer.examples.model import ModelConfig, RequestCache, TinyModel
+from kvxfer.transport import LOOPBACK_ENV
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 23], [60, 2, 2, 71, 13, 30, 44, 8, 19, 1, 77, 52, 6],
            [11, 90], [33, 4, 58, 21, 67, 12, 45, 3, 8, 95, 16, 28, 39, 71, 2, 50, 61, 14, 7]]
@@ -214,7 +215,7 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
                                          verify=verify, daemons=(pre, dec))
     pre, dec = daemons
     requests = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env = {**os.environ, **LOOPBACK_ENV}
     me = [sys.executable, "-m", "kvxfer.examples.disagg"]
     prefill = subprocess.Popen(
         [*me, "prefill-worker", "--flavour", flavour, "--address", pre.worker_address,

@@ -1,104 +1,123 @@
-"""Typed errors of the kvxfer library.
+"""Typed errors of kvxfer.
 
-Every failure the library can explain is one of these. The daemon maps them to
-gRPC status codes at exactly one boundary (``kvxfer.server.errors``); the
-library itself never imports gRPC.
+Every failure kvxfer can explain is one of these. Each type names the gRPC
+status code it crosses the wire as (``code``) and a stable ``reason``, the
+``google.rpc.ErrorInfo`` reason that identifies the type on the wire, so an
+error raised in a daemon comes back to a client (or another daemon) as the same
+type with the same message (``kvxfer.wire.status``). This module imports no
+gRPC: codes are named by their ``grpc.StatusCode`` names.
 """
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 
 class KvxferError(Exception):
     """Base class of every error kvxfer raises on purpose."""
 
+    code: ClassVar[str] = "UNKNOWN"
+    reason: ClassVar[str] = "KVXFER_ERROR"
+
+
+class InternalError(KvxferError):
+    """A bug or an unexpected failure inside kvxfer (never the caller's fault)."""
+
+    code = "INTERNAL"
+    reason = "INTERNAL"
+
 
 class InvalidSpecError(KvxferError, ValueError):
-    """A pool spec, layout or descriptor is malformed (bad size, dtype, alignment)."""
+    """A pool spec, layout, descriptor or setting is malformed (bad size, dtype, alignment)."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_SPEC"
 
 
 class InvalidRangeError(KvxferError, ValueError):
-    """Page ranges are malformed: empty, negative, overlapping or of unequal length."""
+    """Page ranges or transfer arguments are malformed: empty, negative, overlapping, unequal."""
+
+    code = "INVALID_ARGUMENT"
+    reason = "INVALID_RANGE"
 
 
 class PageOutOfRangeError(InvalidRangeError):
     """A page range reaches outside the pool it names."""
 
+    code = "OUT_OF_RANGE"
+    reason = "PAGE_OUT_OF_RANGE"
+
 
 class IncompatibleLayoutError(KvxferError):
-    """Two pools cannot exchange pages: their layouts differ (the message names how)."""
+    """Two pools or daemons cannot exchange pages: their layouts differ (the message names how)."""
 
-
-class PoolNotFoundError(KvxferError, LookupError):
-    """No pool of that name is served here."""
-
-
-class TransferNotFoundError(KvxferError, LookupError):
-    """No transfer of that id is known here."""
-
-
-class TransferExistsError(KvxferError):
-    """A transfer of that id is already registered on this side."""
-
-
-class PeerUnavailableError(KvxferError):
-    """The peer daemon cannot be reached, or it disappeared mid-transfer."""
-
-
-class TransferDeadlineError(KvxferError, TimeoutError):
-    """The transfer did not complete before its deadline."""
-
-
-class TransferAbortedError(KvxferError):
-    """The transfer was aborted by one of its sides."""
-
-
-class IntegrityError(KvxferError):
-    """Bytes arrived but their checksum does not match what the sender computed."""
+    code = "FAILED_PRECONDITION"
+    reason = "INCOMPATIBLE_LAYOUT"
 
 
 class AttachError(KvxferError):
     """A worker could not map the daemon's pool memory."""
 
+    code = "FAILED_PRECONDITION"
+    reason = "ATTACH_FAILED"
 
-#: The gRPC status code (by name) each error crosses the wire as. The daemon's
-#: boundary turns the name into ``grpc.StatusCode``; clients turn it back.
-STATUS_NAMES: dict[type[KvxferError], str] = {
-    InvalidSpecError: "INVALID_ARGUMENT",
-    PageOutOfRangeError: "OUT_OF_RANGE",
-    InvalidRangeError: "INVALID_ARGUMENT",
-    IncompatibleLayoutError: "FAILED_PRECONDITION",
-    PoolNotFoundError: "NOT_FOUND",
-    TransferNotFoundError: "NOT_FOUND",
-    TransferExistsError: "ALREADY_EXISTS",
-    PeerUnavailableError: "UNAVAILABLE",
-    TransferDeadlineError: "DEADLINE_EXCEEDED",
-    TransferAbortedError: "ABORTED",
-    IntegrityError: "DATA_LOSS",
-    AttachError: "FAILED_PRECONDITION",
+
+class PoolNotFoundError(KvxferError, LookupError):
+    """No pool of that name is served here."""
+
+    code = "NOT_FOUND"
+    reason = "POOL_NOT_FOUND"
+
+
+class TransferNotFoundError(KvxferError, LookupError):
+    """No transfer of that id is known here."""
+
+    code = "NOT_FOUND"
+    reason = "TRANSFER_NOT_FOUND"
+
+
+class TransferExistsError(KvxferError):
+    """A transfer of that id is already registered on this side."""
+
+    code = "ALREADY_EXISTS"
+    reason = "TRANSFER_EXISTS"
+
+
+class PeerUnavailableError(KvxferError):
+    """The peer daemon cannot be reached, or it disappeared mid-transfer."""
+
+    code = "UNAVAILABLE"
+    reason = "PEER_UNAVAILABLE"
+
+
+class TransferDeadlineError(KvxferError, TimeoutError):
+    """The transfer did not complete before its deadline."""
+
+    code = "DEADLINE_EXCEEDED"
+    reason = "TRANSFER_DEADLINE_EXCEEDED"
+
+
+class TransferAbortedError(KvxferError):
+    """The transfer was aborted by one of its sides."""
+
+    code = "ABORTED"
+    reason = "TRANSFER_ABORTED"
+
+
+class IntegrityError(KvxferError):
+    """Bytes arrived but their checksum does not match what the sender computed."""
+
+    code = "DATA_LOSS"
+    reason = "INTEGRITY_CHECK_FAILED"
+
+
+#: Every concrete error type, by its wire reason (the wire codec's lookup table).
+ERROR_TYPES: dict[str, type[KvxferError]] = {
+    cls.reason: cls
+    for cls in (
+        InternalError, InvalidSpecError, InvalidRangeError, PageOutOfRangeError,
+        IncompatibleLayoutError, AttachError, PoolNotFoundError, TransferNotFoundError,
+        TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
+        IntegrityError,
+    )
 }
-
-_BY_NAME: dict[str, type[KvxferError]] = {
-    "INVALID_ARGUMENT": InvalidRangeError,
-    "OUT_OF_RANGE": PageOutOfRangeError,
-    "FAILED_PRECONDITION": IncompatibleLayoutError,
-    "NOT_FOUND": PoolNotFoundError,
-    "ALREADY_EXISTS": TransferExistsError,
-    "UNAVAILABLE": PeerUnavailableError,
-    "DEADLINE_EXCEEDED": TransferDeadlineError,
-    "ABORTED": TransferAbortedError,
-    "CANCELLED": TransferAbortedError,
-    "DATA_LOSS": IntegrityError,
-}
-
-
-def status_name(exc: BaseException) -> str:
-    """The gRPC status code name for ``exc`` (INTERNAL for anything unexpected)."""
-    for cls in type(exc).__mro__:
-        if cls in STATUS_NAMES:
-            return STATUS_NAMES[cls]
-    return "INTERNAL"
-
-
-def error_for_status(name: str, message: str) -> KvxferError:
-    """The kvxfer error a gRPC status code name stands for (for errors that crossed the wire)."""
-    return _BY_NAME.get(name, KvxferError)(message)

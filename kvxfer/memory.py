@@ -26,7 +26,42 @@ from typing import Any
 import torch
 
 from kvxfer.errors import AttachError, InvalidSpecError
-from kvxfer.v1 import kvxfer_pb2 as pb
+
+
+@dataclass(frozen=True)
+class SharedMemoryHandle:
+    """A CPU arena: a file (in ``/dev/shm`` or the configured directory) to map."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """A CUDA arena shared with CUDA IPC: the fields ``torch.multiprocessing`` uses."""
+
+    device: int
+    storage_handle: bytes
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+@dataclass(frozen=True)
+class MemoryHandle:
+    """How another process on this node attaches to an arena (exactly one of shm, cuda)."""
+
+    arena: str
+    device: str
+    size_bytes: int
+    shm: SharedMemoryHandle | None = None
+    cuda: CudaIpcHandle | None = None
+
+    @property
+    def kind(self) -> str:
+        """``shm``, ``cuda``, or "" when the handle names no memory."""
+        return "shm" if self.shm is not None else "cuda" if self.cuda is not None else ""
 
 
 @dataclass
@@ -36,7 +71,7 @@ class Arena:
     name: str
     device: str
     raw: torch.Tensor
-    handle: pb.MemoryHandle
+    handle: MemoryHandle
     _mmap: mmap.mmap | None = None
     _path: Path | None = None
     _host: Any = None
@@ -119,9 +154,7 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
         tmp.unlink(missing_ok=True)
         raise
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
-    handle = pb.MemoryHandle(
-        arena=name, device="cpu", size_bytes=size_bytes, shm=pb.SharedMemory(path=str(path))
-    )
+    handle = MemoryHandle(name, "cpu", size_bytes, shm=SharedMemoryHandle(str(path)))
     return Arena(name, "cpu", raw, handle, mapping, path, _lock_fd=fd)
 
 
@@ -164,20 +197,11 @@ def _create_cuda(name: str, size_bytes: int, device: str) -> Arena:
     raw = torch.zeros(size_bytes, dtype=torch.uint8, device=device)
     storage = raw.untyped_storage()
     (dev, handle, _size, offset, ref_handle, ref_offset, event, sync) = storage._share_cuda_()
-    ipc = pb.CudaIpc(
-        device=dev,
-        storage_handle=handle,
-        storage_offset_bytes=offset,
-        ref_counter_handle=ref_handle,
-        ref_counter_offset=ref_offset,
-        event_handle=event or b"",
-        event_sync_required=sync,
-    )
-    msg = pb.MemoryHandle(arena=name, device=device, size_bytes=size_bytes, cuda=ipc)
-    return Arena(name, device, raw, msg)
+    ipc = CudaIpcHandle(dev, handle, offset, ref_handle, ref_offset, event or b"", sync)
+    return Arena(name, device, raw, MemoryHandle(name, device, size_bytes, cuda=ipc))
 
 
-def _check_file_size(fd: int, handle: pb.MemoryHandle) -> None:
+def _check_file_size(fd: int, handle: MemoryHandle, path: str) -> None:
     """Refuse a file that cannot be the arena ``handle`` describes.
 
     The file holds ``size_bytes``, rounded up to its file system's block size:
@@ -189,7 +213,7 @@ def _check_file_size(fd: int, handle: pb.MemoryHandle) -> None:
     largest = -(-handle.size_bytes // block) * block
     if not handle.size_bytes <= info.st_size <= largest:
         raise AttachError(
-            f"shared memory {handle.shm.path!r} has {info.st_size} bytes, expected "
+            f"shared memory {path!r} has {info.st_size} bytes, expected "
             f"{handle.size_bytes} (up to {largest} on a file system with {block}-byte blocks); "
             f"is it another daemon's file?"
         )
@@ -213,24 +237,24 @@ class Mapping:
             self._mmap = None
 
 
-def attach(handle: pb.MemoryHandle) -> Mapping:
+def attach(handle: MemoryHandle) -> Mapping:
     """Map the buffer described by ``handle`` into this process (same node only)."""
-    kind = handle.WhichOneof("kind")
-    if kind == "shm":
+    if handle.shm is not None:
+        path = handle.shm.path
         try:
-            fd = os.open(handle.shm.path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise AttachError(
-                f"cannot open shared memory {handle.shm.path!r} of arena {handle.arena!r}: "
+                f"cannot open shared memory {path!r} of arena {handle.arena!r}: "
                 f"{exc.strerror}; the worker must run on the daemon's node and share /dev/shm"
             ) from None
         try:
-            _check_file_size(fd, handle)
+            _check_file_size(fd, handle, path)
             mapping = _map(fd, handle.size_bytes)
         finally:
             os.close(fd)
         return Mapping(torch.frombuffer(mapping, dtype=torch.uint8), mapping)
-    if kind == "cuda":
+    if handle.cuda is not None:
         ipc = handle.cuda
         storage = torch.UntypedStorage._new_shared_cuda(
             ipc.device,

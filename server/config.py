@@ -1,24 +1,42 @@
-"""The daemon's configuration: pools, addresses, UCX and transfer settings.
+"""The daemon's configuration: one settings model, read from a file, the environment and flags.
 
-Loaded from a YAML file and/or command-line flags (flags win). A pool entry is
-a mapping such as::
+``DaemonConfig`` states every setting once, with its default, its bounds and
+the help text ``kvxfer serve --help`` shows (pydantic-settings builds the flags
+from it). A setting comes from, in order of precedence: a flag
+(``--peer-address``), the environment (``KVXFER_PEER_ADDRESS``), the YAML file
+given with ``--config`` (``peer_address:``), the default.
+
+Pools come from the file (``pools:`` and ``arenas:``) and from ``--pool``
+flags (``NAME=PRESET`` or ``name=N,kind=mha,...``). A pool entry is a mapping::
 
     {name: kv, kind: mha, layer_num: 32, head_num: 8, head_dim: 128,
      v_head_dim: 128, dtype: bfloat16, page_size: 16, num_pages: 512}
 
 Pools listed under ``pools`` get an arena (raw buffer) each; pools listed under
 an entry of ``arenas`` share that arena's buffer (a hybrid model: MHA + Mamba).
+A bad value is refused at start with InvalidSpecError naming the key, the value
+and what was expected.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from contextvars import ContextVar
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import Field, ValidationError, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    CliSettingsSource,
+    CliSuppress,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
-from kvxfer.errors import InvalidSpecError
+from kvxfer.errors import InvalidSpecError, KvxferError
 from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolSpec
 
 #: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
@@ -38,11 +56,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                         temporal_dtype="float32", num_slots=16),
 }
 
-_SPEC_CLASSES = {"mha": MhaSpec, "mla": MlaSpec, "mamba": MambaSpec}
+_SPEC_CLASSES: dict[str, type[MhaSpec] | type[MlaSpec] | type[MambaSpec]] = {
+    "mha": MhaSpec, "mla": MlaSpec, "mamba": MambaSpec}
+
+#: The config file of the load in progress (read by the file source below).
+_CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvxfer_config_file", default=None)
 
 
 def spec_from_dict(entry: dict[str, Any], *, where: str = "pool") -> PoolSpec:
-    """A pool spec from a config mapping (``kind`` plus the spec's fields)."""
+    """A pool spec from a config mapping (``kind`` or ``preset``, plus the spec's fields)."""
     entry = dict(entry)
     if "preset" in entry:
         preset = entry.pop("preset")
@@ -50,7 +72,7 @@ def spec_from_dict(entry: dict[str, Any], *, where: str = "pool") -> PoolSpec:
             raise InvalidSpecError(f"{where}: preset={preset!r} is unknown; expected one of {sorted(PRESETS)}")
         entry = {**PRESETS[preset], **entry}
     kind = entry.pop("kind", None)
-    cls = _SPEC_CLASSES.get(kind)  # type: ignore[arg-type]
+    cls = _SPEC_CLASSES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise InvalidSpecError(f"{where}: kind={kind!r} is unknown; expected one of {sorted(_SPEC_CLASSES)}")
     names = {f.name for f in fields(cls)}
@@ -64,6 +86,20 @@ def spec_from_dict(entry: dict[str, Any], *, where: str = "pool") -> PoolSpec:
         entry["conv_state_shapes"] = tuple(tuple(s) for s in entry["conv_state_shapes"])
         entry["temporal_state_shape"] = tuple(entry["temporal_state_shape"])
     return cls(**entry)
+
+
+def parse_pool_flag(flag: str) -> dict[str, Any]:
+    """``name=PRESET`` or ``name=kv,kind=mha,layer_num=2,...`` as a pool config mapping."""
+    if "," not in flag and flag.count("=") == 1:
+        name, preset = flag.split("=")
+        return {"name": name, "preset": preset}
+    entry: dict[str, Any] = {}
+    for part in flag.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise InvalidSpecError(f"--pool {flag!r}: {part!r} is not key=value")
+        entry[key.strip()] = yaml.safe_load(value)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -83,85 +119,16 @@ class ArenaConfig:
     pools: tuple[PoolConfig, ...]
 
 
-@dataclass(frozen=True)
-class DaemonConfig:
-    """Everything ``kvxfer serve`` needs."""
-
-    arenas: tuple[ArenaConfig, ...]
-    worker_address: str = "unix:///run/kvxfer/kvxfer.sock"
-    peer_address: str = "127.0.0.1:7500"
-    advertise_address: str = ""
-    ucx_host: str = "127.0.0.1"
-    ucx_port: int = 0
-    ucx_lanes: int = 1
-    ucx_error_handling: bool = True
-    chunk_bytes: int = 4 << 20
-    window_bytes: int = 64 << 20
-    heartbeat_s: float = 1.0
-    default_timeout_s: float = 30.0
-    grace_s: float = 5.0
-    retain_transfers: int = 1024
-    shm_dir: str = "/dev/shm"
-    metrics_port: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        above_zero = (lambda v: v > 0, "a number above 0")
-        port = (lambda v: 0 <= v <= 65535, "a port from 0 to 65535")
-        checks = {
-            "ucx_lanes": above_zero, "chunk_bytes": above_zero, "window_bytes": above_zero,
-            "heartbeat_s": above_zero, "default_timeout_s": above_zero,
-            "retain_transfers": above_zero, "grace_s": (lambda v: v >= 0, "0 or more seconds"),
-            "ucx_port": port, "metrics_port": port,
-        }
-        for name, (valid, expected) in checks.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
-                raise InvalidSpecError(f"{name}={value!r}; expected {expected}")
-
-    @property
-    def pool_names(self) -> list[str]:
-        """Every pool name, in config order."""
-        return [p.name for a in self.arenas for p in a.pools]
-
-
-def parse_pool_flag(flag: str) -> dict[str, Any]:
-    """``name=PRESET`` or ``name=kv,kind=mha,layer_num=2,...`` as a pool config mapping."""
-    if "," not in flag and flag.count("=") == 1:
-        name, preset = flag.split("=")
-        return {"name": name, "preset": preset}
-    entry: dict[str, Any] = {}
-    for part in flag.split(","):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise InvalidSpecError(f"--pool {flag!r}: {part!r} is not key=value")
-        entry[key.strip()] = yaml.safe_load(value)
-    return entry
-
-
-def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
-                pool_flags: list[str] | None = None, device: str | None = None) -> DaemonConfig:
-    """Build the daemon config from a YAML file, flag overrides and ``--pool`` flags."""
-    raw: dict[str, Any] = {}
-    if path:
-        text = Path(path).read_text()
-        raw = yaml.safe_load(text) or {}
-        if not isinstance(raw, dict):
-            raise InvalidSpecError(f"config {path}: expected a mapping at the top level")
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            raw[key] = value
-    pools = list(raw.pop("pools", []) or []) + [parse_pool_flag(f) for f in pool_flags or []]
-    default_device = device or raw.pop("device", "cpu")
-    arenas = []
+def _arenas(pools: list[Any], arenas: list[Any], device: str) -> tuple[ArenaConfig, ...]:
+    built = []
     for i, pool in enumerate(pools):
-        entry = dict(pool)
+        entry = dict(parse_pool_flag(pool) if isinstance(pool, str) else pool)
         name = entry.pop("name", None) or f"pool{i}"
-        dev = entry.pop("device", default_device)
-        arenas.append(ArenaConfig(name, dev, (PoolConfig(name, spec_from_dict(entry, where=f"pool {name!r}")),)))
-    for a in raw.pop("arenas", []) or []:
+        dev = entry.pop("device", device)
+        built.append(ArenaConfig(name, dev, (PoolConfig(name, spec_from_dict(entry, where=f"pool {name!r}")),)))
+    for a in arenas:
         a = dict(a)
-        aname = a.get("name") or f"arena{len(arenas)}"
+        aname = a.get("name") or f"arena{len(built)}"
         members = []
         for j, pool in enumerate(a.get("pools", [])):
             entry = dict(pool)
@@ -169,15 +136,148 @@ def load_config(path: str | None = None, overrides: dict[str, Any] | None = None
             members.append(PoolConfig(name, spec_from_dict(entry, where=f"pool {name!r}")))
         if not members:
             raise InvalidSpecError(f"arena {aname!r} has no pools")
-        arenas.append(ArenaConfig(aname, a.get("device", default_device), tuple(members)))
-    if not arenas:
+        built.append(ArenaConfig(aname, a.get("device", device), tuple(members)))
+    if not built:
         raise InvalidSpecError("no pools configured; pass --pool NAME=PRESET or a config file with 'pools:'")
-    names = [p.name for a in arenas for p in a.pools]
+    names = [p.name for a in built for p in a.pools]
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise InvalidSpecError(f"pool names must be unique; repeated: {dupes}")
-    known = {f.name for f in fields(DaemonConfig)} - {"arenas", "extra"}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise InvalidSpecError(f"unknown config keys {unknown}; expected some of {sorted(known)}")
-    return DaemonConfig(arenas=tuple(arenas), **raw)
+    return tuple(built)
+
+
+def _setting(default: Any, description: str, expected: str = "", **bounds: Any) -> Any:
+    """A setting's default, help text and bounds; ``expected`` words the bounds for errors."""
+    extra = {"expected": expected} if expected else None
+    return Field(default, description=description, json_schema_extra=extra, **bounds)
+
+
+PORT = {"ge": 0, "le": 65535}
+ABOVE_ZERO = "a number above 0"
+
+
+class DaemonConfig(BaseSettings):
+    """Everything ``kvxfer serve`` needs (see the module docstring for where values come from)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="KVXFER_", extra="forbid", frozen=True, arbitrary_types_allowed=True,
+        cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True)
+
+    arenas: CliSuppress[tuple[ArenaConfig, ...]] = ()
+    device: str = _setting("cpu", "device of pools that name none: cpu or cuda:N")
+    worker_address: str = _setting(
+        "unix:///run/kvxfer/kvxfer.sock", "address for workers on this node: unix:///PATH or host:port")
+    peer_address: str = _setting("127.0.0.1:7500",
+                                 "host:port for peer daemons (port 0 picks a free one)")
+    advertise_address: str = _setting(
+        "", "host:port peers should use to reach us, when binding 0.0.0.0 (empty: the bound one)")
+    ucx_host: str = _setting("127.0.0.1", "address peers reach the UCX listeners at")
+    ucx_port: int = _setting(0, "UCX listener port of data lane 0; lane i listens on PORT+i "
+                                "(0: any free ports)", "a port from 0 to 65535", **PORT)
+    ucx_lanes: int = _setting(
+        1, "UCX workers, each with its own thread, that move one transfer's chunks side by side "
+           "(peers use the smaller count of the two). Over shared memory (cma: UCX error "
+           "handling off) each lane copies on its own core; over tcp on 2 cores a second lane "
+           "made transfers slower", ABOVE_ZERO, gt=0)
+    ucx_error_handling: bool = _setting(
+        True, "UCX peer error handling (every daemon must agree). Off lets UCX copy over shared "
+              "memory (cma) between daemons on one node, 1.2-1.7x faster in our loopback runs, "
+              "but a peer that dies mid-transfer over cma can abort this daemon: only turn it "
+              "off where no peer can die uncleanly")
+    chunk_bytes: int = _setting(4 << 20, "largest UCX message in bytes", ABOVE_ZERO, gt=0)
+    window_bytes: int = _setting(
+        64 << 20, "bytes in flight per peer (split over its lanes), shared by its transfers in "
+                  "turn; smaller lets a small transfer pass large ones sooner, at some bandwidth",
+        ABOVE_ZERO, gt=0)
+    heartbeat_s: float = _setting(
+        1.0, "seconds between a session's heartbeats; a peer silent for 3 heartbeats + 1 s is lost",
+        ABOVE_ZERO, gt=0)
+    default_timeout_s: float = _setting(30.0, "deadline of a transfer registered without one",
+                                        ABOVE_ZERO, gt=0)
+    grace_s: float = _setting(5.0, "seconds running transfers get to finish at shutdown",
+                              "0 or more seconds", ge=0)
+    retain_transfers: int = _setting(
+        1024, "finished transfers remembered for wait and transfers", ABOVE_ZERO, gt=0)
+    shm_dir: str = _setting(
+        "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
+                    "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")
+    metrics_port: int | None = _setting(
+        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port; unset: off)",
+        "a port from 0 to 65535", **PORT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _build_arenas(cls, raw: Any) -> Any:
+        """Turn the file's ``pools``/``arenas`` and the ``--pool`` flags into arenas."""
+        if not isinstance(raw, dict):
+            raise InvalidSpecError("the config must be a mapping of settings")
+        raw = dict(raw)
+        pools = list(raw.pop("pools", None) or []) + list(raw.pop("pool_flags", None) or [])
+        arenas = list(raw.get("arenas") or [])
+        if pools or not arenas or not all(isinstance(a, ArenaConfig) for a in arenas):
+            raw["arenas"] = _arenas(pools, arenas, str(raw.get("device", "cpu")))
+        return raw
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags (put in front by the CLI source), values given in code, KVXFER_* environment
+        variables, then the config file."""
+        return (init_settings, env_settings,
+                YamlConfigSettingsSource(settings_cls, yaml_file=_CONFIG_FILE.get()))
+
+    @property
+    def pool_names(self) -> list[str]:
+        """Every pool name, in config order."""
+        return [p.name for a in self.arenas for p in a.pools]
+
+
+def load_config(path: str | None = None, overrides: dict[str, Any] | None = None,
+                pool_flags: list[str] | None = None, *,
+                cli: CliSettingsSource[DaemonConfig] | None = None) -> DaemonConfig:
+    """The daemon config: ``cli`` flags over ``overrides`` over the environment over the
+    YAML file at ``path`` over defaults, plus ``pool_flags`` (``--pool``) after the file's pools.
+
+    Raises InvalidSpecError naming the first bad key, its value and what was expected.
+    """
+    values = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if pool_flags:
+        values["pool_flags"] = pool_flags
+    if path is not None:
+        _check_file(Path(path))
+    token = _CONFIG_FILE.set(Path(path) if path else None)
+    try:
+        return DaemonConfig(_cli_settings_source=cli, **values)
+    except ValidationError as exc:
+        raise _explain(exc) from None
+    finally:
+        _CONFIG_FILE.reset(token)
+
+
+def _check_file(path: Path) -> None:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise InvalidSpecError(f"config {path}: cannot read it: {exc}") from None
+    if raw is not None and not isinstance(raw, dict):
+        raise InvalidSpecError(f"config {path}: expected a mapping at the top level")
+
+
+def _explain(exc: ValidationError) -> KvxferError:
+    """The first problem of a failed validation, as a kvxfer error naming key, value, bound."""
+    error = exc.errors()[0]
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, KvxferError):
+        return cause
+    key = ".".join(str(part) for part in error["loc"])
+    if error["type"] == "extra_forbidden":
+        known = sorted(set(DaemonConfig.model_fields) - {"arenas"} | {"pools"})
+        unknown = sorted(str(e["loc"][0]) for e in exc.errors() if e["type"] == "extra_forbidden")
+        return InvalidSpecError(f"unknown config keys {unknown}; expected some of {known}")
+    field = DaemonConfig.model_fields.get(str(error["loc"][0]))
+    extra = field.json_schema_extra if field is not None else None
+    expected = extra.get("expected") if isinstance(extra, dict) else None
+    return InvalidSpecError(f"{key}={error.get('input')!r}; expected {expected or error['msg']}")

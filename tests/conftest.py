@@ -10,12 +10,15 @@ from types import ModuleType
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvxfer.transport import LOOPBACK_ENV
+
 settings.register_profile(
     "kvxfer", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("kvxfer")
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
+for _key, _value in LOOPBACK_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 REPO = Path(__file__).resolve().parent.parent
 

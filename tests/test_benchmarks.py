@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from kvxfer.transport import LOOPBACK_ENV
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 #: Whether madvise(MADV_HUGEPAGE) gets anonymous memory huge pages here ("[never]" otherwise).
@@ -18,7 +20,7 @@ THP_ENABLED = THP.exists() and "[never]" not in THP.read_text()
 
 def run_benchmark(script: str, *args: str, timeout: float = 240) -> dict:
     """Run ``benchmarks/script`` on loopback and parse the JSON it prints last."""
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    env = {**os.environ, **LOOPBACK_ENV}
     out = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=BENCHMARKS,
                          env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -12,8 +12,9 @@ import pytest
 
 from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
+from kvxfer.transport import LOOPBACK_ENV
 
-ENV = {**os.environ, "UCX_NET_DEVICES": "lo"}
+ENV = {**os.environ, **LOOPBACK_ENV}
 
 
 def kvxfer(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -27,6 +27,7 @@ from kvxfer.errors import (
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import PageRuns
 from kvxfer.server.config import PRESETS, spec_from_dict
+from kvxfer.transport import LOOPBACK_ENV
 
 HERE = Path(__file__).resolve().parent
 TINY = "name=kv,preset=tiny"
@@ -67,7 +68,7 @@ def test_descriptor_over_grpc_rebuilds_identical_views(spawn) -> None:
     with KvxferClient(d.worker_address) as kv:
         desc, memory = kv.describe("kv")
         assert desc == expected
-        assert memory.device == "cpu" and memory.WhichOneof("kind") == "shm"
+        assert memory.device == "cpu" and memory.kind == "shm"
         with kv.attach("kv") as pool:
             local = expected.build_views(torch.zeros(pool.raw.numel(), dtype=torch.uint8))
             for a, b in zip(all_views(pool.views), all_views(local), strict=True):
@@ -184,7 +185,7 @@ def test_a_bad_config_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvxfer.client.cli", "serve", "--pool", "name=kv,kind=mha,layer_num=0",
          "--worker-address", f"unix://{tmp_path}/s.sock", "--peer-address", "127.0.0.1:0"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "UCX_NET_DEVICES": "lo"},
+        capture_output=True, text=True, timeout=60, env={**os.environ, **LOOPBACK_ENV},
     )
     assert out.returncode == 2
     assert "missing fields" in out.stdout + out.stderr

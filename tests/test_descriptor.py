@@ -11,6 +11,7 @@ from kvxfer.descriptor import PoolDescriptor, check_compatible
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
 from kvxfer.layout import MhaSpec, MlaSpec, PoolLayout, PoolViews
 from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto
 
 
 def all_views(views: PoolViews) -> list[torch.Tensor]:
@@ -19,8 +20,8 @@ def all_views(views: PoolViews) -> list[torch.Tensor]:
 
 
 def round_trip(desc: PoolDescriptor) -> PoolDescriptor:
-    wire = desc.to_proto().SerializeToString()
-    return PoolDescriptor.from_proto(pb.PoolDescriptor.FromString(wire))
+    wire = descriptor_to_proto(desc).SerializeToString()
+    return descriptor_from_proto(pb.PoolDescriptor.FromString(wire))
 
 
 @given(spec=any_spec)
@@ -50,17 +51,17 @@ def test_views_rebuilt_from_a_descriptor_see_what_the_owner_wrote(spec) -> None:
 
 def test_descriptor_with_tampered_views_is_refused() -> None:
     desc = PoolDescriptor("pool", PoolLayout(MhaSpec(2, 2, 8, 8, "bfloat16", 4, 3)))
-    msg = desc.to_proto()
+    msg = descriptor_to_proto(desc)
     msg.views[1].offset_bytes += 2
     with pytest.raises(InvalidSpecError, match="views that differ"):
-        PoolDescriptor.from_proto(msg)
+        descriptor_from_proto(msg)
 
 
 def test_descriptor_with_wrong_page_bytes_is_refused() -> None:
-    msg = PoolDescriptor("pool", PoolLayout(MhaSpec(2, 2, 8, 8, "bfloat16", 4, 3))).to_proto()
+    msg = descriptor_to_proto(PoolDescriptor("pool", PoolLayout(MhaSpec(2, 2, 8, 8, "bfloat16", 4, 3))))
     msg.page_bytes += 1
     with pytest.raises(InvalidSpecError, match="page_bytes"):
-        PoolDescriptor.from_proto(msg)
+        descriptor_from_proto(msg)
 
 
 @given(spec=mha_specs())

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
+import os
 import random
 import re
-import socket
+import shutil
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,36 +18,14 @@ from pool_checks import assert_moved, fill_random, standard_runs
 from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
-from kvxfer.server.transfers import FAULT_CORRUPT_ENV
-from kvxfer.states import TransferState
+from kvxfer.server.transfers.receiver import FAULT_CORRUPT_ENV
+from kvxfer.status import TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.codec import descriptor_to_proto
 
 STANDARD = "name=kv,preset=llama8b"  # 32 layers, 8 heads, 128 dim, bf16, 2 MiB pages, 512 pages
 SMALL = "name=kv,preset=llama8b,num_pages=64"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_port_run(count: int) -> int:
-    """A port with the ``count`` ports from it free on every interface (UCX listeners
-    bind 0.0.0.0), below the ephemeral range so no outgoing connection takes one
-    before the daemon binds them."""
-    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    for _ in range(200):
-        base = random.randrange(10_000, max(10_001, ephemeral_low - count))
-        try:
-            with contextlib.ExitStack() as held:
-                for port in range(base, base + count):
-                    held.enter_context(socket.socket()).bind(("0.0.0.0", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError(f"no run of {count} free ports found")
 
 
 @pytest.fixture(scope="module")
@@ -174,11 +152,23 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> No
         assert torch.equal(odst.raw, before)
 
 
-def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
-    port = free_port_run(3)
-    one = spawn("one-lane", [SMALL], extra_args=["--ucx-lanes", "1"])
-    three = spawn("three-lanes", [SMALL], extra_args=["--ucx-lanes", "3", "--ucx-port", str(port)])
+def test_lane_i_listens_on_the_given_port_plus_i(spawn) -> None:
+    """Run in a network namespace of its own, where no other process can hold the ports."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs root, unshare and ip: the daemon runs in a private network namespace")
+    private_netns = ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$@"']
+    port = 7600
+    three = spawn("three-lanes-fixed", [SMALL], command_prefix=private_netns,
+                  extra_args=["--ucx-lanes", "3", "--ucx-port", str(port)])
     assert three.ready_info["ucx_ports"] == [port, port + 1, port + 2]
+    with KvxferClient(three.worker_address) as kv:
+        assert kv.health() == "SERVING"
+
+
+def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
+    one = spawn("one-lane", [SMALL], extra_args=["--ucx-lanes", "1"])
+    three = spawn("three-lanes", [SMALL], extra_args=["--ucx-lanes", "3"])
+    assert len(set(three.ready_info["ucx_ports"])) == 3
     with KvxferClient(one.worker_address) as a, KvxferClient(three.worker_address) as b, \
             a.attach("kv") as a_pool, b.attach("kv") as b_pool:
         fill_random(a_pool, 4)
@@ -226,7 +216,7 @@ def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair) -> None:
     with grpc.insecure_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
         peer.Handshake(pb.HandshakeRequest(session_id="greedy", ucx_host="127.0.0.1", ucx_port=1,
-                                           ucx_error_handling=True, pools=[descriptor.to_proto()],
+                                           ucx_error_handling=True, pools=[descriptor_to_proto(descriptor)],
                                            peer_address="127.0.0.1:1"), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             peer.Claim(pb.ClaimRequest(transfer_id="many-lanes", session_id="greedy", src_pool="kv",
@@ -367,9 +357,9 @@ def rpcs_ok(method: str) -> str:
 
 
 def spawn_with_metrics(spawn, name: str, pool: str):
-    """A daemon serving Prometheus metrics, and the port they are on."""
-    port = free_port()
-    return spawn(name, [pool], extra_args=["--metrics-port", str(port)]), port
+    """A daemon serving Prometheus metrics, and the port they are on (it picks the port)."""
+    daemon = spawn(name, [pool], metrics=True)
+    return daemon, daemon.metrics_port
 
 
 def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:

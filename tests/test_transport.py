@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from kvxfer.errors import InvalidRangeError
-from kvxfer.lanes import UcxLanes
-from kvxfer.transport import UcxEngine
+from kvxfer.transport.engine import UcxEngine
+from kvxfer.transport.lanes import UcxLanes
 
 
 def thread_cpu_seconds(native_id: int) -> float:
@@ -93,16 +93,16 @@ def test_sends_to_one_peer_share_its_window_and_other_peers_have_their_own(engin
 def test_lanes_deal_one_transfer_over_both_sides_lanes() -> None:
     sender, receiver = UcxLanes(2), UcxLanes(3)
     try:
-        endpoints = sender.connect(receiver.host, receiver.ports)
-        assert len(endpoints) == 2  # the smaller lane count of the two
+        connection = sender.connect(receiver.host, receiver.ports)
+        assert connection.lanes == 2  # the smaller lane count of the two
         src = np.random.default_rng(2).integers(0, 256, 6 << 20, dtype=np.uint8)
         dst = np.zeros_like(src)
         piece = 1 << 20
         tags = range(100, 106)
         got = receiver.receive([(dst[i * piece:(i + 1) * piece], t) for i, t in enumerate(tags)],
-                               len(endpoints))
-        sent = sender.send(endpoints, [(src[i * piece:(i + 1) * piece], t)
-                                       for i, t in enumerate(tags)], 2 << 20)
+                               connection.lanes)
+        sent = sender.send(connection, [(src[i * piece:(i + 1) * piece], t)
+                                        for i, t in enumerate(tags)], 2 << 20, connection.lanes)
         sent.future.result(timeout=20)
         got.future.result(timeout=20)
         assert np.array_equal(dst, src)
@@ -124,3 +124,26 @@ def test_a_receive_over_more_lanes_than_this_side_has_is_refused() -> None:
         assert receiver.posted_requests() == 0
     finally:
         receiver.close()
+
+
+def test_abandoning_a_receive_cancels_its_posted_receives_and_others_still_arrive(engines) -> None:
+    receiver, sender = engines
+    doomed_dst, kept_dst = np.zeros(8 << 20, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+    doomed = receiver.receive([(doomed_dst[i << 20:(i + 1) << 20], 500 + i) for i in range(8)])
+    kept = receiver.receive([(kept_dst, 600)])
+    deadline = time.monotonic() + 10
+    while receiver.posted_requests() < 9:
+        assert time.monotonic() < deadline, f"only {receiver.posted_requests()} receives posted"
+        time.sleep(0.01)
+    receiver.abandon(doomed, "the transfer was aborted")
+    with pytest.raises(Exception, match="aborted"):
+        doomed.future.result(timeout=10)
+    while receiver.posted_requests() > 1:
+        assert time.monotonic() < deadline, f"{receiver.posted_requests()} receives still posted"
+        time.sleep(0.01)
+    src = np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8)
+    endpoint = sender.connect(receiver.host, receiver.port)
+    sender.send(endpoint, [(src, 600)], 1 << 20).future.result(timeout=20)
+    kept.future.result(timeout=20)
+    assert np.array_equal(kept_dst, src) and not doomed_dst.any()
+    assert receiver.posted_requests() == 0

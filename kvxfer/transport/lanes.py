@@ -13,6 +13,8 @@ own listener), and both sides deal a transfer's messages out the same way:
 message ``k`` travels on lane ``k % lanes``. The receiver posts it on that lane's
 worker, so each receiving thread serves one sender thread. ``lanes`` is the
 smaller of the two daemons' lane counts, agreed per session.
+
+``UcxLanes`` is the daemon's ``Transport``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,24 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from dataclasses import dataclass
 
 from kvxfer.errors import InvalidRangeError, PeerUnavailableError
-from kvxfer.transport import EndpointId, MessageBatch, UcxEngine
+from kvxfer.transport.batches import EndpointId, MessageBatch
+from kvxfer.transport.engine import UcxEngine
+from kvxfer.transport.protocol import Batch, Connection, Message
 
-#: One endpoint per lane, lane ``i`` at index ``i``.
-LaneEndpoints = tuple[EndpointId, ...]
+
+@dataclass(frozen=True)
+class LaneConnection:
+    """One endpoint per lane to a peer's lanes, lane ``i`` at index ``i``."""
+
+    endpoints: tuple[EndpointId, ...]
+
+    @property
+    def lanes(self) -> int:
+        """How many lanes this connection has."""
+        return len(self.endpoints)
 
 
 class LaneBatch:
@@ -65,8 +78,7 @@ class LaneBatch:
 class UcxLanes:
     """``lanes`` UCX engines, each a worker, a listener and a progress thread.
 
-    Contract: as ``UcxEngine``'s, every method is thread-safe and returns without
-    waiting on the network, except ``connect`` and ``close``.
+    Contract: ``kvxfer.transport.Transport``'s.
     """
 
     def __init__(self, lanes: int = 1, *, host: str = "127.0.0.1", port: int = 0,
@@ -97,27 +109,30 @@ class UcxLanes:
         """How many lanes this side has."""
         return len(self.engines)
 
-    def connect(self, host: str, ports: Sequence[int], timeout: float = 10.0) -> LaneEndpoints:
+    def connect(self, host: str, ports: Sequence[int], timeout: float = 10.0) -> LaneConnection:
         """Connect lane ``i`` to the peer's lane ``i`` listener, for as many lanes as both have."""
         endpoints: list[EndpointId] = []
         try:
             for engine, port in zip(self.engines, ports):
                 endpoints.append(engine.connect(host, port, timeout))
         except BaseException:
-            self.close_endpoints(tuple(endpoints))
+            self.close_connection(LaneConnection(tuple(endpoints)))
             raise
-        return tuple(endpoints)
+        return LaneConnection(tuple(endpoints))
 
-    def send(self, endpoints: LaneEndpoints, messages: list[tuple[Any, int]],
-             window_bytes: int) -> LaneBatch:
-        """Send message ``k`` of ``messages`` on lane ``k % len(endpoints)``; ``window_bytes``
-        in flight in all, split evenly between the lanes."""
-        lanes = len(endpoints)
+    def send(self, connection: Connection, messages: list[Message], window_bytes: int,
+             lanes: int) -> LaneBatch:
+        """Send message ``k`` on lane ``k % lanes``; ``window_bytes`` in flight to this peer
+        in all, split evenly between the lanes."""
+        assert isinstance(connection, LaneConnection)
+        if not 1 <= lanes <= connection.lanes:
+            raise InvalidRangeError(f"cannot send over {lanes} lanes; the connection has "
+                                    f"{connection.lanes}")
         window = max(1, window_bytes // lanes)
-        return LaneBatch([self.engines[i].send(endpoints[i], messages[i::lanes], window)
+        return LaneBatch([self.engines[i].send(connection.endpoints[i], messages[i::lanes], window)
                           for i in range(lanes)])
 
-    def receive(self, messages: list[tuple[Any, int]], lanes: int) -> LaneBatch:
+    def receive(self, messages: list[Message], lanes: int) -> LaneBatch:
         """Post a receive for message ``k`` on lane ``k % lanes``, as a sender over ``lanes``
         lanes sends it."""
         if not 1 <= lanes <= len(self.engines):
@@ -126,21 +141,23 @@ class UcxLanes:
                 f"{len(self.engines)} (expected 1 to {len(self.engines)})")
         return LaneBatch([self.engines[i].receive(messages[i::lanes]) for i in range(lanes)])
 
-    def abandon(self, batch: LaneBatch, reason: str) -> None:
+    def abandon(self, batch: Batch, reason: str) -> None:
         """Fail ``batch`` on every lane now (see ``UcxEngine.abandon``)."""
+        assert isinstance(batch, LaneBatch)
         for engine, part in zip(self.engines, batch.parts):
             engine.abandon(part, reason)
 
-    def close_endpoints(self, endpoints: LaneEndpoints) -> None:
+    def close_connection(self, connection: Connection) -> None:
         """Close each lane's endpoint; safe to call twice."""
-        for engine, endpoint in zip(self.engines, endpoints):
+        assert isinstance(connection, LaneConnection)
+        for engine, endpoint in zip(self.engines, connection.endpoints):
             engine.close_endpoint(endpoint)
 
     def posted_requests(self) -> int:
         """UCX requests posted and not yet complete, over all lanes (a leak gauge)."""
         return sum(engine.posted_requests() for engine in self.engines)
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self) -> None:
         """Stop every lane's thread and release its UCX resources."""
         for engine in self.engines:
-            engine.close(timeout)
+            engine.close()

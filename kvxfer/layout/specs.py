@@ -1,31 +1,28 @@
-"""Page-major pool layouts: specs, their sizes, and per-layer views over raw bytes.
+"""Pool specs: the shapes and dtypes of what a pool stores, and the bytes they take.
 
-A pool is one contiguous region of a raw ``uint8`` buffer, starting at
-``anchor_bytes``. The region is split into pages of ``page_size`` token slots;
-within a page every layer's blocks sit together, so one page is one contiguous
-block of ``page_bytes`` (this is what lets a run of pages move as one copy)::
+A pool is one contiguous region of a raw ``uint8`` buffer, split into pages of
+``page_size`` token slots; within a page every layer's blocks sit together, so
+one page is one contiguous block of ``page_bytes`` (this is what lets a run of
+pages move as one copy)::
 
     MHA page = [L0_K x ps | L0_V x ps | L1_K x ps | L1_V x ps | ...]
     MLA page = [L0_latent x ps | L1_latent x ps | ...]       (MHA, one head, no V)
     Mamba slot = [conv0 x layers | conv1 x layers | ... | temporal x layers]
 
-The offsets, shapes and strides are byte-for-byte those of SGLang's page-major
-layout (``shared/reference/page_major.py``). Views are built generically from a
-list of ``ViewSpec`` (dtype, shape, element strides, byte offset), which is also
-what a ``PoolDescriptor`` carries, so any process rebuilds identical views.
+Each spec derives its views (``view_specs``); the offsets, shapes and strides
+are byte-for-byte those of SGLang's page-major layout
+(``shared/reference/page_major.py``).
 """
 
 from __future__ import annotations
 
 import enum
-import functools
 import math
 from dataclasses import dataclass
 
-import torch
-
 from kvxfer.dtypes import itemsize, torch_dtype
 from kvxfer.errors import InvalidSpecError
+from kvxfer.layout.views import ViewRole, ViewSpec
 
 
 class PoolKind(enum.Enum):
@@ -36,23 +33,15 @@ class PoolKind(enum.Enum):
     MAMBA = "mamba"
 
 
-class ViewRole(enum.Enum):
-    """What one view of a pool shows."""
-
-    K = "k"
-    V = "v"
-    LATENT = "latent"
-    CONV = "conv"
-    TEMPORAL = "temporal"
-
-
-def _positive(name: str, value: object) -> int:
+def positive(name: str, value: object) -> int:
+    """``value`` if it is an integer above 0; raises InvalidSpecError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise InvalidSpecError(f"{name}={value!r} must be a positive integer")
     return value
 
 
-def _non_negative(name: str, value: object) -> int:
+def non_negative(name: str, value: object) -> int:
+    """``value`` if it is an integer of 0 or more; raises InvalidSpecError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidSpecError(f"{name}={value!r} must be a non-negative integer")
     return value
@@ -61,7 +50,7 @@ def _non_negative(name: str, value: object) -> int:
 def _shape(name: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not value:
         raise InvalidSpecError(f"{name}={value!r} must be a non-empty list of positive integers")
-    return tuple(_positive(f"{name}[{i}]", int_) for i, int_ in enumerate(value))
+    return tuple(positive(f"{name}[{i}]", int_) for i, int_ in enumerate(value))
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -89,7 +78,7 @@ class MhaSpec:
 
     def __post_init__(self) -> None:
         for name in ("layer_num", "head_num", "head_dim", "v_head_dim", "page_size", "num_pages"):
-            _positive(name, getattr(self, name))
+            positive(name, getattr(self, name))
         torch_dtype(self.dtype)
 
     @property
@@ -172,8 +161,8 @@ class MlaSpec:
 
     def __post_init__(self) -> None:
         for name in ("layer_num", "kv_lora_rank", "page_size", "num_pages"):
-            _positive(name, getattr(self, name))
-        _non_negative("qk_rope_head_dim", self.qk_rope_head_dim)
+            positive(name, getattr(self, name))
+        non_negative("qk_rope_head_dim", self.qk_rope_head_dim)
         torch_dtype(self.dtype)
 
     @property
@@ -239,8 +228,8 @@ class MambaSpec:
     kind = PoolKind.MAMBA
 
     def __post_init__(self) -> None:
-        _positive("layer_num", self.layer_num)
-        _positive("num_slots", self.num_slots)
+        positive("layer_num", self.layer_num)
+        positive("num_slots", self.num_slots)
         if not isinstance(self.conv_state_shapes, (tuple, list)) or not self.conv_state_shapes:
             raise InvalidSpecError(
                 f"conv_state_shapes={self.conv_state_shapes!r} must be a non-empty list of shapes"
@@ -343,171 +332,3 @@ class MambaSpec:
 
 
 PoolSpec = MhaSpec | MlaSpec | MambaSpec
-
-
-@dataclass(frozen=True)
-class ViewSpec:
-    """One strided tensor view over a raw byte buffer: what ``torch.as_strided`` needs."""
-
-    role: ViewRole
-    index: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset_bytes: int
-
-    def __post_init__(self) -> None:
-        size = itemsize(self.dtype)
-        if self.offset_bytes % size:
-            raise InvalidSpecError(
-                f"view {self.role.value}[{self.index}] offset_bytes={self.offset_bytes} is not a "
-                f"multiple of its {self.dtype} itemsize {size}"
-            )
-        if len(self.shape) != len(self.stride):
-            raise InvalidSpecError(
-                f"view {self.role.value}[{self.index}] has shape {self.shape} but strides "
-                f"{self.stride}; expected one stride per dimension"
-            )
-
-    @property
-    def end_bytes(self) -> int:
-        """One past the last byte this view can touch."""
-        size = itemsize(self.dtype)
-        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
-        return self.offset_bytes + (last + 1) * size
-
-    def build(self, raw: torch.Tensor) -> torch.Tensor:
-        """The view over ``raw`` (a 1-D uint8 tensor), sharing its memory."""
-        typed = raw.view(torch_dtype(self.dtype))
-        return torch.as_strided(
-            typed,
-            size=self.shape,
-            stride=self.stride,
-            storage_offset=self.offset_bytes // itemsize(self.dtype),
-        )
-
-
-@dataclass(frozen=True)
-class PoolViews:
-    """The tensors an engine reads and writes; which fields are filled depends on the kind.
-
-    MHA: ``k[layer]``, ``v[layer]`` of shape (num_pages, page_size, heads, dim).
-    MLA: ``latent[layer]`` of shape (num_pages, page_size, 1, latent_dim).
-    Mamba: ``conv[i]`` and ``temporal`` of shape (layers, slots, *inner).
-    """
-
-    k: tuple[torch.Tensor, ...] = ()
-    v: tuple[torch.Tensor, ...] = ()
-    latent: tuple[torch.Tensor, ...] = ()
-    conv: tuple[torch.Tensor, ...] = ()
-    temporal: torch.Tensor | None = None
-
-
-def build_views(raw: torch.Tensor, views: tuple[ViewSpec, ...]) -> PoolViews:
-    """Build every view of ``views`` over ``raw``; raises InvalidSpecError if one does not fit."""
-    if raw.dtype != torch.uint8 or raw.dim() != 1:
-        raise InvalidSpecError(
-            f"raw buffer must be a 1-D uint8 tensor, got dtype={raw.dtype} dim={raw.dim()}"
-        )
-    by_role: dict[ViewRole, list[torch.Tensor]] = {role: [] for role in ViewRole}
-    for spec in views:
-        if spec.end_bytes > raw.numel():
-            raise InvalidSpecError(
-                f"view {spec.role.value}[{spec.index}] reaches byte {spec.end_bytes} but the "
-                f"buffer has {raw.numel()} bytes"
-            )
-        by_role[spec.role].append(spec.build(raw))
-    temporal = by_role[ViewRole.TEMPORAL]
-    return PoolViews(
-        k=tuple(by_role[ViewRole.K]),
-        v=tuple(by_role[ViewRole.V]),
-        latent=tuple(by_role[ViewRole.LATENT]),
-        conv=tuple(by_role[ViewRole.CONV]),
-        temporal=temporal[0] if temporal else None,
-    )
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """A pool spec placed at ``anchor_bytes`` of a raw buffer."""
-
-    spec: PoolSpec
-    anchor_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        _non_negative("anchor_bytes", self.anchor_bytes)
-        if self.anchor_bytes % self.spec.alignment:
-            raise InvalidSpecError(
-                f"anchor_bytes={self.anchor_bytes} is misaligned; expected a multiple of "
-                f"{self.spec.alignment} for this pool's dtype"
-            )
-
-    @property
-    def kind(self) -> PoolKind:
-        """What the pool stores."""
-        return self.spec.kind
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page."""
-        return self.spec.page_bytes
-
-    @property
-    def num_pages(self) -> int:
-        """Pages in the pool."""
-        return self.spec.num_pages
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the pool's region."""
-        return self.spec.total_bytes
-
-    @property
-    def end_bytes(self) -> int:
-        """One past the pool's last byte in the raw buffer."""
-        return self.anchor_bytes + self.total_bytes
-
-    def page_offset(self, page: int) -> int:
-        """Byte offset of ``page`` in the raw buffer."""
-        return self.anchor_bytes + page * self.page_bytes
-
-    def view_specs(self) -> tuple[ViewSpec, ...]:
-        """The views of this pool, with offsets from the start of the raw buffer."""
-        return _view_specs(self.spec, self.anchor_bytes)
-
-    def check_fits(self, buffer_bytes: int) -> None:
-        """Raise InvalidSpecError unless the pool's region fits a buffer of ``buffer_bytes``."""
-        if self.end_bytes > buffer_bytes:
-            raise InvalidSpecError(
-                f"pool needs bytes [{self.anchor_bytes}, {self.end_bytes}) but the buffer has "
-                f"{buffer_bytes} bytes"
-            )
-
-    def build_views(self, raw: torch.Tensor) -> PoolViews:
-        """Per-layer views of this pool over ``raw``."""
-        self.check_fits(raw.numel())
-        return build_views(raw, self.view_specs())
-
-
-@functools.lru_cache(maxsize=256)
-def _view_specs(spec: PoolSpec, anchor_bytes: int) -> tuple[ViewSpec, ...]:
-    """Views are a pure function of the spec and anchor; every transfer encodes and
-    checks them, so build them once (a llama-8B pool has 64)."""
-    return spec.view_specs(anchor_bytes)
-
-
-def pack_arena(specs: list[PoolSpec], alignment: int = 4096) -> tuple[list[PoolLayout], int]:
-    """Place several pools one after another in one buffer (a hybrid model's arena).
-
-    Each anchor is rounded up to ``alignment`` bytes (page-aligned by default, so
-    every region starts on its own OS page). Returns the layouts and the buffer size.
-    """
-    _positive("alignment", alignment)
-    layouts = []
-    offset = 0
-    for spec in specs:
-        align = math.lcm(alignment, spec.alignment)
-        offset = -(-offset // align) * align
-        layouts.append(PoolLayout(spec, offset))
-        offset += spec.total_bytes
-    return layouts, offset

@@ -1,0 +1,87 @@
+"""What a transfer is doing: its role on a daemon, its state, and one side's status.
+
+The numbers of ``TransferRole`` and ``TransferState`` are the proto enums'
+(``kvxfer.v1.TransferRole`` / ``TransferState``): each member is defined as its
+proto value, and a test checks that the two enums have the same members, so
+nothing is copied by hand and a value read off the wire is a member here.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from kvxfer.errors import KvxferError
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+
+class TransferRole(enum.IntEnum):
+    """Which side of a transfer a daemon is."""
+
+    SENDER = pb.TRANSFER_ROLE_SENDER
+    RECEIVER = pb.TRANSFER_ROLE_RECEIVER
+
+
+class TransferState(enum.IntEnum):
+    """Where a transfer is; the last four are final."""
+
+    WAITING = pb.TRANSFER_STATE_WAITING
+    TRANSFERRING = pb.TRANSFER_STATE_TRANSFERRING
+    DONE = pb.TRANSFER_STATE_DONE
+    FAILED = pb.TRANSFER_STATE_FAILED
+    ABORTED = pb.TRANSFER_STATE_ABORTED
+    DEADLINE_EXCEEDED = pb.TRANSFER_STATE_DEADLINE_EXCEEDED
+
+    @property
+    def final(self) -> bool:
+        """True once the transfer can no longer change."""
+        return self not in (TransferState.WAITING, TransferState.TRANSFERRING)
+
+
+@dataclass(frozen=True)
+class TransferInfo:
+    """One side's view of a transfer, as its daemon reports it.
+
+    ``failure`` is the error that ended it (the same ``kvxfer.errors`` type on
+    every side of the wire), None while it runs and when it succeeded.
+    """
+
+    transfer_id: str
+    role: TransferRole
+    state: TransferState
+    pool: str
+    peer: str
+    pages: int
+    bytes: int
+    bytes_done: int
+    extents: int
+    seconds: float
+    failure: KvxferError | None
+    verified: bool
+    created_unix: float
+    data_seconds: float
+    lanes: int
+
+    @property
+    def ok(self) -> bool:
+        """True when the transfer finished and every byte arrived."""
+        return self.state == TransferState.DONE
+
+    @property
+    def error_code(self) -> str:
+        """The gRPC status code name of the failure ("" if none)."""
+        return self.failure.code if self.failure is not None else ""
+
+    @property
+    def error(self) -> str:
+        """The failure's message ("" if none)."""
+        return str(self.failure) if self.failure is not None else ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (enums by name, the failure as code, type and message)."""
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "failure"}
+        out["role"], out["state"] = self.role.name, self.state.name
+        out["error_code"], out["error"] = self.error_code, self.error
+        out["error_type"] = type(self.failure).__name__ if self.failure is not None else ""
+        return out

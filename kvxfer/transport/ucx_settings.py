@@ -1,0 +1,21 @@
+"""UCX settings kvxfer applies before UCX loads, and the environment that keeps UCX on loopback."""
+
+from __future__ import annotations
+
+import os
+
+#: Settings that make UCX fast on loopback tcp and shared memory (see the README).
+UCX_DEFAULTS = {
+    "UCX_RNDV_SCHEME": "put_zcopy",
+    "UCX_RNDV_THRESH": "32K",
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+}
+
+#: The environment of a daemon, test or benchmark whose data plane must stay on this machine.
+LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}
+
+
+def apply_ucx_defaults() -> None:
+    """Set kvxfer's UCX defaults unless the operator already set them. Call before UCX loads."""
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)

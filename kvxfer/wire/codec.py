@@ -1,0 +1,207 @@
+"""Protobuf at the edge: kvxfer's types to ``kvxfer.v1`` messages and back.
+
+Everything that crosses the wire between a worker and its daemon, or between
+daemons, is converted here and nowhere else (the peer protocol's own messages
+are in ``kvxfer.server.peer_protocol``). Decoding validates: a descriptor
+whose carried views differ from the ones its spec derives is refused
+(InvalidSpecError), so a peer with another layout rule is never misread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import InvalidSpecError
+from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolLayout, PoolSpec, ViewRole, ViewSpec
+from kvxfer.memory import CudaIpcHandle, MemoryHandle, SharedMemoryHandle
+from kvxfer.pages import Extent, PageRuns
+from kvxfer.status import TransferInfo, TransferRole, TransferState
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire.status import from_status, to_status
+
+# -- page runs and extents ----------------------------------------------------------
+
+
+def runs_to_proto(runs: PageRuns) -> list[pb.PageRun]:
+    """``PageRuns`` as repeated ``PageRun`` messages."""
+    return [pb.PageRun(start=r.start, count=r.count) for r in runs.runs]
+
+
+def runs_from_proto(msgs: Iterable[pb.PageRun]) -> PageRuns:
+    """``PageRun`` messages as validated, normalized ``PageRuns``."""
+    return PageRuns.of((int(m.start), int(m.count)) for m in msgs)
+
+
+def extents_to_proto(extents: Iterable[Extent]) -> list[pb.Extent]:
+    """Byte extents as repeated ``Extent`` messages."""
+    return [pb.Extent(src_offset=e.src_offset, dst_offset=e.dst_offset, nbytes=e.nbytes)
+            for e in extents]
+
+
+def extents_from_proto(msgs: Iterable[pb.Extent]) -> list[Extent]:
+    """``Extent`` messages as byte extents."""
+    return [Extent(int(m.src_offset), int(m.dst_offset), int(m.nbytes)) for m in msgs]
+
+
+# -- layouts and descriptors -------------------------------------------------------------
+
+
+def descriptor_to_proto(desc: PoolDescriptor) -> pb.PoolDescriptor:
+    """A pool descriptor as a protobuf message."""
+    return pb.PoolDescriptor(
+        name=desc.name,
+        spec=_spec_to_proto(desc.spec),
+        anchor_bytes=desc.layout.anchor_bytes,
+        page_bytes=desc.page_bytes,
+        num_pages=desc.num_pages,
+        page_size=desc.spec.page_size,
+        views=[_view_to_proto(v) for v in desc.views],
+    )
+
+
+def descriptor_from_proto(msg: pb.PoolDescriptor) -> PoolDescriptor:
+    """Decode and cross-check a descriptor; raises InvalidSpecError if inconsistent."""
+    desc = PoolDescriptor(msg.name, PoolLayout(_spec_from_proto(msg.spec), int(msg.anchor_bytes)))
+    for field, value, derived in (
+        ("page_bytes", msg.page_bytes, desc.page_bytes),
+        ("num_pages", msg.num_pages, desc.num_pages),
+        ("page_size", msg.page_size, desc.spec.page_size),
+    ):
+        if value != derived:
+            raise InvalidSpecError(
+                f"descriptor of pool {msg.name!r} says {field}={value} but its spec gives {derived}"
+            )
+    carried = tuple(_view_from_proto(v) for v in msg.views)
+    if carried != desc.views:
+        raise InvalidSpecError(
+            f"descriptor of pool {msg.name!r} carries views that differ from the ones its "
+            "spec derives; expected the page-major layout of kvxfer v1"
+        )
+    return desc
+
+
+def _spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
+    if isinstance(spec, MhaSpec):
+        return pb.PoolSpec(mha=pb.MhaSpec(
+            layer_num=spec.layer_num, head_num=spec.head_num, head_dim=spec.head_dim,
+            v_head_dim=spec.v_head_dim, dtype=spec.dtype, page_size=spec.page_size,
+            num_pages=spec.num_pages,
+        ))
+    if isinstance(spec, MlaSpec):
+        return pb.PoolSpec(mla=pb.MlaSpec(
+            layer_num=spec.layer_num, kv_lora_rank=spec.kv_lora_rank,
+            qk_rope_head_dim=spec.qk_rope_head_dim, dtype=spec.dtype, page_size=spec.page_size,
+            num_pages=spec.num_pages,
+        ))
+    return pb.PoolSpec(mamba=pb.MambaSpec(
+        layer_num=spec.layer_num,
+        conv_state_shapes=[pb.Shape(dims=s) for s in spec.conv_state_shapes],
+        conv_dtype=spec.conv_dtype,
+        temporal_state_shape=pb.Shape(dims=spec.temporal_state_shape),
+        temporal_dtype=spec.temporal_dtype,
+        num_slots=spec.num_slots,
+    ))
+
+
+def _spec_from_proto(msg: pb.PoolSpec) -> PoolSpec:
+    kind = msg.WhichOneof("kind")
+    if kind == "mha":
+        m = msg.mha
+        return MhaSpec(m.layer_num, m.head_num, m.head_dim, m.v_head_dim, m.dtype, m.page_size,
+                       m.num_pages)
+    if kind == "mla":
+        a = msg.mla
+        return MlaSpec(a.layer_num, a.kv_lora_rank, a.qk_rope_head_dim, a.dtype, a.page_size,
+                       a.num_pages)
+    if kind == "mamba":
+        s = msg.mamba
+        return MambaSpec(
+            s.layer_num,
+            tuple(tuple(int(d) for d in shape.dims) for shape in s.conv_state_shapes),
+            s.conv_dtype,
+            tuple(int(d) for d in s.temporal_state_shape.dims),
+            s.temporal_dtype,
+            s.num_slots,
+        )
+    raise InvalidSpecError("pool spec has no kind; expected one of mha, mla, mamba")
+
+
+def _view_to_proto(view: ViewSpec) -> pb.ViewSpec:
+    return pb.ViewSpec(role=view.role.value, index=view.index, dtype=view.dtype, shape=view.shape,
+                       stride=view.stride, offset_bytes=view.offset_bytes)
+
+
+def _view_from_proto(msg: pb.ViewSpec) -> ViewSpec:
+    try:
+        role = ViewRole(msg.role)
+    except ValueError:
+        raise InvalidSpecError(
+            f"view role {msg.role!r} is unknown; expected one of {[r.value for r in ViewRole]}"
+        ) from None
+    return ViewSpec(role=role, index=msg.index, dtype=msg.dtype,
+                    shape=tuple(int(d) for d in msg.shape),
+                    stride=tuple(int(s) for s in msg.stride),
+                    offset_bytes=int(msg.offset_bytes))
+
+
+# -- memory handles ----------------------------------------------------------------------
+
+
+def memory_to_proto(handle: MemoryHandle) -> pb.MemoryHandle:
+    """An arena's attach handle as a protobuf message."""
+    msg = pb.MemoryHandle(arena=handle.arena, device=handle.device, size_bytes=handle.size_bytes)
+    if handle.shm is not None:
+        msg.shm.path = handle.shm.path
+    if handle.cuda is not None:
+        c = handle.cuda
+        msg.cuda.CopyFrom(pb.CudaIpc(
+            device=c.device, storage_handle=c.storage_handle,
+            storage_offset_bytes=c.storage_offset_bytes, ref_counter_handle=c.ref_counter_handle,
+            ref_counter_offset=c.ref_counter_offset, event_handle=c.event_handle,
+            event_sync_required=c.event_sync_required,
+        ))
+    return msg
+
+
+def memory_from_proto(msg: pb.MemoryHandle) -> MemoryHandle:
+    """An attach handle from its protobuf message."""
+    shm = cuda = None
+    kind = msg.WhichOneof("kind")
+    if kind == "shm":
+        shm = SharedMemoryHandle(msg.shm.path)
+    elif kind == "cuda":
+        c = msg.cuda
+        cuda = CudaIpcHandle(c.device, c.storage_handle, c.storage_offset_bytes,
+                             c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
+                             c.event_sync_required)
+    return MemoryHandle(msg.arena, msg.device, msg.size_bytes, shm=shm, cuda=cuda)
+
+
+# -- transfer status ---------------------------------------------------------------------
+
+
+def info_to_proto(info: TransferInfo) -> pb.TransferStatus:
+    """One side's transfer status as a ``TransferStatus`` message."""
+    msg = pb.TransferStatus(
+        transfer_id=info.transfer_id, role=info.role.value, state=info.state.value,
+        pool=info.pool, peer=info.peer, pages=info.pages, bytes=info.bytes,
+        bytes_done=info.bytes_done, extents=info.extents, seconds=info.seconds,
+        verified=info.verified, created_unix=info.created_unix, data_seconds=info.data_seconds,
+        lanes=info.lanes,
+    )
+    if info.failure is not None:
+        msg.error.CopyFrom(to_status(info.failure))
+    return msg
+
+
+def info_from_proto(msg: pb.TransferStatus) -> TransferInfo:
+    """Decode a ``TransferStatus`` message (the failure comes back as its own type)."""
+    return TransferInfo(
+        transfer_id=msg.transfer_id, role=TransferRole(msg.role), state=TransferState(msg.state),
+        pool=msg.pool, peer=msg.peer, pages=msg.pages, bytes=msg.bytes, bytes_done=msg.bytes_done,
+        extents=msg.extents, seconds=msg.seconds,
+        failure=from_status(msg.error) if msg.HasField("error") else None,
+        verified=msg.verified, created_unix=msg.created_unix, data_seconds=msg.data_seconds,
+        lanes=msg.lanes,
+    )

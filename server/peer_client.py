@@ -1,0 +1,145 @@
+"""Typed calls to peer daemons: each KvxferPeer method with a deadline and typed errors.
+
+``PeerClient`` speaks to one peer over a cached channel. Every call takes the
+absolute deadline (``time.monotonic()``) of the work it serves and gives the
+RPC the time left, so the peer's handler sees the same deadline in its context.
+A failed call raises the ``kvxfer.errors`` type the peer raised (or the nearest
+one for gRPC's own failures), its message prefixed with the peer's address.
+
+Retries are gRPC's own (a service config on the channel), for the calls that
+are safe to repeat: a handshake (a session whose reply was lost is dropped by
+the peer when no Watch stream follows) and an abort (idempotent), on
+UNAVAILABLE only. A claim, a commit or a push request is never repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+
+from kvxfer.server.peer_protocol import (
+    Claim,
+    ClaimGrant,
+    Commit,
+    DaemonHello,
+    PeerAbort,
+    PushRequest,
+    abort_to_proto,
+    claim_to_proto,
+    commit_to_proto,
+    grant_from_proto,
+    hello_from_response,
+    hello_to_request,
+    push_request_to_proto,
+)
+from kvxfer.status import TransferInfo
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.codec import info_from_proto
+from kvxfer.wire.status import from_rpc_error
+
+PEER_SERVICE = pb.DESCRIPTOR.services_by_name["KvxferPeer"].full_name
+#: Safe-to-repeat calls are retried on UNAVAILABLE by gRPC itself.
+SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": PEER_SERVICE, "method": "Handshake"},
+             {"service": PEER_SERVICE, "method": "AbortTransfer"}],
+    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+                    "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.enable_retries", 1),
+    ("grpc.service_config", SERVICE_CONFIG),
+]
+#: The least time a call is given, so that a call made at its deadline still says why it failed.
+MIN_CALL_S = 0.1
+
+
+def time_left(deadline: float, slack_s: float = 0.0) -> float:
+    """Seconds from now to ``deadline`` (plus ``slack_s``), at least ``MIN_CALL_S``."""
+    return max(MIN_CALL_S, deadline - time.monotonic() + slack_s)
+
+
+class PeerClient:
+    """The KvxferPeer service of one peer daemon, with typed arguments, results and errors."""
+
+    def __init__(self, address: str, channel: grpc.aio.Channel) -> None:
+        self.address = address
+        self._stub = pb_grpc.KvxferPeerStub(channel)
+        self._prefix = f"peer {address}: "
+
+    async def handshake(self, hello: DaemonHello, deadline: float) -> DaemonHello:
+        """Open a session: tell the peer who we are; its answer says who it is."""
+        try:
+            reply = await self._stub.Handshake(hello_to_request(hello), timeout=time_left(deadline))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, f"{self._prefix}handshake failed: ") from None
+        return hello_from_response(reply)
+
+    def watch(self, session_id: str) -> grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.Heartbeat]:
+        """The session's heartbeat stream (read it; cancel it to close the session)."""
+        return self._stub.Watch(pb.WatchRequest(session_id=session_id))
+
+    async def claim(self, claim: Claim, deadline: float) -> ClaimGrant:
+        """Ask where a transfer's pages go; the peer answers once it posted its receives.
+
+        The call may take until the transfer's deadline (the peer waits for the
+        matching expect), plus a moment so that the peer's own deadline error arrives.
+        """
+        try:
+            reply = await self._stub.Claim(claim_to_proto(claim), timeout=time_left(deadline, 0.5))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self._prefix) from None
+        return grant_from_proto(reply)
+
+    async def commit(self, commit: Commit, deadline: float) -> TransferInfo:
+        """Hand over the checksums; the peer's final status of the transfer."""
+        try:
+            reply = await self._stub.Commit(commit_to_proto(commit), timeout=time_left(deadline, 0.5))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self._prefix) from None
+        return info_from_proto(reply)
+
+    async def request_push(self, request: PushRequest, deadline: float) -> None:
+        """Ask the peer to push an offered transfer to us."""
+        try:
+            await self._stub.RequestPush(push_request_to_proto(request),
+                                         timeout=time_left(deadline, 0.5))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self._prefix) from None
+
+    async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:
+        """Tell the peer a transfer ended here."""
+        try:
+            await self._stub.AbortTransfer(abort_to_proto(abort), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self._prefix) from None
+
+
+class PeerClients:
+    """One cached channel (and client) per peer address."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, PeerClient] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    def get(self, address: str) -> PeerClient:
+        """The client of the peer at ``address`` (host:port)."""
+        client = self._clients.get(address)
+        if client is None:
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels.append(channel)
+            client = self._clients[address] = PeerClient(address, channel)
+        return client
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for channel in self._channels:
+            await channel.close(grace=None)
+        self._channels.clear()
+        self._clients.clear()

@@ -1,0 +1,183 @@
+"""The peer protocol's messages as typed values, and their protobuf codec.
+
+Daemons speak ``kvxfer.v1.KvxferPeer`` to each other: a handshake opens a
+session (``DaemonHello`` both ways), a ``Claim`` asks the receiver where a
+transfer's pages go (``ClaimGrant``), a ``Commit`` closes a verified transfer,
+``PushRequest`` starts a pull, and ``PeerAbort`` ends a transfer on the other
+side. The peer client and the peer servicer are the only users of the codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.pages import PageRuns
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_from_proto, runs_to_proto
+
+
+@dataclass(frozen=True)
+class DaemonHello:
+    """What a daemon tells a peer when a session opens: its data plane and its pools.
+
+    ``peer_address`` (where it serves the peer API, for aborts) is sent by the
+    side that opens the session only.
+    """
+
+    session_id: str
+    ucx_host: str
+    ucx_ports: tuple[int, ...]
+    ucx_error_handling: bool
+    pools: dict[str, PoolDescriptor]
+    peer_address: str = ""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A sender asks where ``transfer_id`` goes (push step 2)."""
+
+    transfer_id: str
+    session_id: str
+    src_pool: str
+    src_runs: PageRuns
+    timeout_s: float
+    verify: bool
+    chunk_bytes: int
+    lanes: int
+
+
+@dataclass(frozen=True)
+class ClaimGrant:
+    """The receiver's answer: tags start at ``tag_base``; chunk ``k`` on lane ``k % lanes``."""
+
+    tag_base: int
+    dst_pool: str
+    dst_runs: PageRuns
+    lanes: int
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A verifying sender sent every chunk; these are their checksums, in order."""
+
+    transfer_id: str
+    session_id: str
+    checksums: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """A puller asks the sender to push ``transfer_id`` to ``reply_to`` once it is offered."""
+
+    transfer_id: str
+    reply_to: str
+    dst_pool: str
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PeerAbort:
+    """One side ended ``transfer_id``; the other should end it too."""
+
+    transfer_id: str
+    session_id: str
+    reason: str
+
+
+def hello_to_request(hello: DaemonHello) -> pb.HandshakeRequest:
+    """The opening side's hello."""
+    return pb.HandshakeRequest(
+        session_id=hello.session_id, ucx_host=hello.ucx_host, ucx_port=hello.ucx_ports[0],
+        ucx_ports=hello.ucx_ports, ucx_error_handling=hello.ucx_error_handling,
+        pools=[descriptor_to_proto(d) for d in hello.pools.values()],
+        peer_address=hello.peer_address,
+    )
+
+
+def hello_from_request(msg: pb.HandshakeRequest) -> DaemonHello:
+    """Decode an opening hello (descriptors are validated)."""
+    return DaemonHello(
+        msg.session_id, msg.ucx_host, tuple(msg.ucx_ports) or (msg.ucx_port,),
+        msg.ucx_error_handling, _pools(msg.pools), msg.peer_address,
+    )
+
+
+def hello_to_response(hello: DaemonHello) -> pb.HandshakeResponse:
+    """The accepting side's hello."""
+    return pb.HandshakeResponse(
+        session_id=hello.session_id, ucx_host=hello.ucx_host, ucx_port=hello.ucx_ports[0],
+        ucx_ports=hello.ucx_ports, ucx_error_handling=hello.ucx_error_handling,
+        pools=[descriptor_to_proto(d) for d in hello.pools.values()],
+    )
+
+
+def hello_from_response(msg: pb.HandshakeResponse) -> DaemonHello:
+    """Decode an accepting hello (descriptors are validated)."""
+    return DaemonHello(msg.session_id, msg.ucx_host, tuple(msg.ucx_ports) or (msg.ucx_port,),
+                       msg.ucx_error_handling, _pools(msg.pools))
+
+
+def _pools(msgs: Iterable[pb.PoolDescriptor]) -> dict[str, PoolDescriptor]:
+    descriptors = [descriptor_from_proto(m) for m in msgs]
+    return {d.name: d for d in descriptors}
+
+
+def claim_to_proto(claim: Claim) -> pb.ClaimRequest:
+    """A claim as its request message."""
+    return pb.ClaimRequest(
+        transfer_id=claim.transfer_id, session_id=claim.session_id, src_pool=claim.src_pool,
+        src_runs=runs_to_proto(claim.src_runs), timeout_s=claim.timeout_s, verify=claim.verify,
+        chunk_bytes=claim.chunk_bytes, lanes=claim.lanes,
+    )
+
+
+def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
+    """Decode a claim (its runs are validated)."""
+    return Claim(msg.transfer_id, msg.session_id, msg.src_pool, runs_from_proto(msg.src_runs),
+                 msg.timeout_s, msg.verify, msg.chunk_bytes, msg.lanes)
+
+
+def grant_to_proto(grant: ClaimGrant) -> pb.ClaimResponse:
+    """A claim's answer as its response message."""
+    return pb.ClaimResponse(tag_base=grant.tag_base, dst_pool=grant.dst_pool,
+                            dst_runs=runs_to_proto(grant.dst_runs), lanes=grant.lanes)
+
+
+def grant_from_proto(msg: pb.ClaimResponse) -> ClaimGrant:
+    """Decode a claim's answer (0 lanes means 1)."""
+    return ClaimGrant(msg.tag_base, msg.dst_pool, runs_from_proto(msg.dst_runs), msg.lanes or 1)
+
+
+def commit_to_proto(commit: Commit) -> pb.CommitRequest:
+    """A commit as its request message."""
+    return pb.CommitRequest(transfer_id=commit.transfer_id, session_id=commit.session_id,
+                            checksums=commit.checksums)
+
+
+def commit_from_proto(msg: pb.CommitRequest) -> Commit:
+    """Decode a commit."""
+    return Commit(msg.transfer_id, msg.session_id, tuple(msg.checksums))
+
+
+def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
+    """A push request as its message."""
+    return pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
+                                 dst_pool=request.dst_pool, timeout_s=request.timeout_s)
+
+
+def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
+    """Decode a push request."""
+    return PushRequest(msg.transfer_id, msg.reply_to, msg.dst_pool, msg.timeout_s)
+
+
+def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:
+    """An abort as its message."""
+    return pb.AbortTransferRequest(transfer_id=abort.transfer_id, session_id=abort.session_id,
+                                   reason=abort.reason)
+
+
+def abort_from_proto(msg: pb.AbortTransferRequest) -> PeerAbort:
+    """Decode an abort."""
+    return PeerAbort(msg.transfer_id, msg.session_id, msg.reason)

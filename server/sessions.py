@@ -1,0 +1,269 @@
+"""Sessions with peer daemons, in both directions, and the heartbeats that keep them alive.
+
+A daemon that sends to a peer opens an *outbound* session: a handshake (each
+side describes its data plane and every pool it serves), a UCX connection, and
+a ``Watch`` stream of heartbeats from the peer. The peer holds the matching
+*inbound* session. The stream is the liveness signal for both: when the peer
+dies its connection resets and the stream fails at once on the sending side;
+when the sender dies, the receiver's stream handler is cancelled; a frozen
+peer stops beating and is given up after ``silence_limit_s``. An inbound
+session whose stream has not begun within that limit after its handshake is
+dropped, so a handshake alone holds nothing for long.
+
+A session's end is its ``lost`` future (resolved with the reason). Transfers
+run their work through ``session.guard(...)``, which fails with
+PeerUnavailableError the moment the session is lost; nothing calls back into
+the transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import IncompatibleLayoutError, PeerUnavailableError
+from kvxfer.server.peer_client import PeerClient, PeerClients, time_left
+from kvxfer.server.peer_protocol import DaemonHello
+from kvxfer.transport import Connection, Transport
+from kvxfer.v1 import kvxfer_pb2 as pb
+
+log = logging.getLogger("kvxfer.server.sessions")
+
+T = TypeVar("T")
+
+
+def silence_limit_s(heartbeat_s: float) -> float:
+    """How long either side of a session waits for the other's stream before giving up."""
+    return 3 * heartbeat_s + 1
+
+
+@dataclass(frozen=True)
+class DaemonIdentity:
+    """What this daemon tells peers about itself in every handshake."""
+
+    peer_address: str
+    pools: dict[str, PoolDescriptor]
+    error_handling: bool
+
+
+@dataclass(eq=False)
+class Session:
+    """A session with one peer; ``lost`` resolves (with the reason) when it ends."""
+
+    session_id: str
+    peer: DaemonHello
+    lost: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def pools(self) -> dict[str, PoolDescriptor]:
+        """The pools the peer serves, by name, as its handshake described them."""
+        return self.peer.pools
+
+    def end(self, reason: str) -> bool:
+        """Mark the session lost (once); True if this call ended it."""
+        if self.lost.done():
+            return False
+        self.lost.set_result(reason)
+        return True
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """``work``'s result, unless the session is lost first: then ``work`` is cancelled
+        and PeerUnavailableError says why."""
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        raise PeerUnavailableError(self.lost.result())
+
+
+@dataclass(eq=False)
+class OutboundSession(Session):
+    """A session we opened to send to ``address``."""
+
+    address: str = ""
+    client: PeerClient | None = None
+    connection: Connection | None = None
+    watch: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class InboundSession(Session):
+    """A session a peer opened to send to us; ``watched`` once its Watch stream began."""
+
+    watched: bool = False
+
+    @property
+    def peer_address(self) -> str:
+        """Where the peer serves its peer API."""
+        return self.peer.peer_address
+
+
+class Sessions:
+    """Opens, accepts, watches and ends every session of this daemon."""
+
+    def __init__(self, transport: Transport, clients: PeerClients, identity: DaemonIdentity,
+                 heartbeat_s: float) -> None:
+        self._transport = transport
+        self._clients = clients
+        self._identity = identity
+        self._heartbeat_s = heartbeat_s
+        self.silence_limit_s = silence_limit_s(heartbeat_s)
+        self._outbound: dict[str, OutboundSession] = {}  # by peer address
+        self._opening: dict[str, asyncio.Lock] = {}
+        self._inbound: dict[str, InboundSession] = {}  # by session id
+        self._closing = asyncio.Event()
+
+    def hello(self, session_id: str) -> DaemonHello:
+        """What we tell a peer about ourselves."""
+        return DaemonHello(session_id, self._transport.host, tuple(self._transport.ports),
+                           self._identity.error_handling, self._identity.pools,
+                           self._identity.peer_address)
+
+    @property
+    def inbound_count(self) -> int:
+        """Peers holding a session open to send to us."""
+        return len(self._inbound)
+
+    # -- outbound --------------------------------------------------------------------------
+
+    async def outbound(self, address: str, deadline: float) -> OutboundSession:
+        """The live session with the peer at ``address``, opened now if there is none."""
+        session = self._outbound.get(address)
+        if session is not None and not session.lost.done():
+            return session
+        async with self._opening.setdefault(address, asyncio.Lock()):
+            session = self._outbound.get(address)
+            if session is None or session.lost.done():
+                session = self._outbound[address] = await self._open(address, deadline)
+            return session
+
+    async def _open(self, address: str, deadline: float) -> OutboundSession:
+        if self._closing.is_set():
+            raise PeerUnavailableError("this daemon is shutting down; no new sessions")
+        session_id = uuid.uuid4().hex
+        client = self._clients.get(address)
+        mine = self.hello(session_id)
+        peer = await client.handshake(mine, deadline)
+        if peer.ucx_error_handling != mine.ucx_error_handling:
+            raise IncompatibleLayoutError(
+                f"peer {address} runs UCX with error_handling={peer.ucx_error_handling}, we run "
+                f"{mine.ucx_error_handling}; both daemons must use the same setting")
+        # Watch at once: the peer drops a session whose stream has not begun in time.
+        call = client.watch(session_id)
+        try:
+            connection = await asyncio.to_thread(
+                self._transport.connect, peer.ucx_host, peer.ucx_ports,
+                max(time_left(deadline), 1.0))
+        except Exception as exc:  # noqa: BLE001 - any UCX failure means unreachable
+            call.cancel()
+            raise PeerUnavailableError(
+                f"cannot open UCX endpoints to {peer.ucx_host} ports {list(peer.ucx_ports)}: {exc}"
+            ) from None
+        except BaseException:  # cancelled: the stream must not keep the peer's session alive
+            call.cancel()
+            raise
+        session = OutboundSession(session_id, peer, address=address, client=client,
+                                  connection=connection)
+        session.watch = asyncio.create_task(self._watch(session, call), name=f"watch {address}")
+        log.info("session %s with peer %s (UCX %s, %d lanes)", session_id[:8], address,
+                 peer.ucx_host, connection.lanes)
+        return session
+
+    async def _watch(self, session: OutboundSession,
+                     call: grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.Heartbeat]) -> None:
+        reason = "heartbeat stream ended"
+        try:
+            while True:
+                beat = await asyncio.wait_for(call.read(), timeout=self.silence_limit_s)
+                if beat is grpc.aio.EOF:
+                    break
+        except TimeoutError:
+            reason = f"no heartbeat for {self.silence_limit_s:.0f}s"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "session closed"
+            raise
+        finally:
+            call.cancel()
+            self._lose_outbound(session, reason)
+
+    def _lose_outbound(self, session: OutboundSession, reason: str) -> None:
+        if not session.end(f"peer {session.address} lost: {reason}"):
+            return
+        if session.connection is not None:
+            self._transport.close_connection(session.connection)
+        if self._outbound.get(session.address) is session:
+            del self._outbound[session.address]
+        log.warning("lost peer %s: %s", session.address, reason)
+
+    # -- inbound ---------------------------------------------------------------------------
+
+    def accept(self, peer: DaemonHello) -> DaemonHello:
+        """A peer opens a session to send to us; our hello in reply."""
+        if self._closing.is_set():
+            raise PeerUnavailableError("this daemon is shutting down; no new sessions")
+        session = InboundSession(peer.session_id, peer)
+        self._inbound[peer.session_id] = session
+        asyncio.get_running_loop().call_later(self.silence_limit_s, self._drop_unwatched, session)
+        return self.hello(peer.session_id)
+
+    def inbound(self, session_id: str) -> InboundSession:
+        """The live inbound session ``session_id``; raises PeerUnavailableError if unknown."""
+        session = self._inbound.get(session_id)
+        if session is None:
+            raise PeerUnavailableError(
+                f"session {session_id[:8]} is unknown; handshake first (a session is dropped "
+                f"{self.silence_limit_s:.0f} s after its handshake without a Watch stream)")
+        return session
+
+    async def heartbeats(self, session_id: str) -> AsyncIterator[float]:
+        """The Watch stream of an inbound session: a heartbeat (unix time) every
+        ``heartbeat_s`` until this daemon closes; the session ends with the stream."""
+        session = self.inbound(session_id)
+        session.watched = True
+        try:
+            while not self._closing.is_set():
+                yield time.time()
+                try:
+                    await asyncio.wait_for(self._closing.wait(), self._heartbeat_s)
+                except TimeoutError:
+                    pass
+        finally:
+            self._lose_inbound(session, f"sender {session.peer_address} went away")
+
+    def _drop_unwatched(self, session: InboundSession) -> None:
+        if not session.watched and self._inbound.get(session.session_id) is session:
+            log.warning("dropping session %s from %s: no Watch stream %.0f s after its handshake",
+                        session.session_id[:8], session.peer_address, self.silence_limit_s)
+            self._lose_inbound(session, f"sender {session.peer_address} never watched its session")
+
+    def _lose_inbound(self, session: InboundSession, reason: str) -> None:
+        if self._inbound.get(session.session_id) is session:
+            del self._inbound[session.session_id]
+        session.end(reason)
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """End every session: inbound streams finish, outbound ones are closed."""
+        self._closing.set()
+        watches = [s.watch for s in self._outbound.values() if s.watch is not None]
+        for watch in watches:
+            watch.cancel()
+        await asyncio.gather(*watches, return_exceptions=True)
+        for session in list(self._inbound.values()):
+            self._lose_inbound(session, "this daemon shut down")

@@ -1,0 +1,188 @@
+"""The verbs workers and peers call, routed to the registry, the sender and the receiver.
+
+The coordinator owns what is common to both roles: a transfer's deadline (a
+timer that ends it with DEADLINE_EXCEEDED), ending a transfer on the other side
+too (an abort, a deadline, a shutdown tell the peer), and the shutdown itself.
+Background work it starts (telling a peer) is tracked and awaited at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from kvxfer.errors import (
+    InvalidRangeError,
+    KvxferError,
+    PeerUnavailableError,
+    TransferAbortedError,
+    TransferDeadlineError,
+)
+from kvxfer.pages import PageRuns
+from kvxfer.server.peer_client import PeerClients
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
+from kvxfer.server.transfers.receiver import Receiver
+from kvxfer.server.transfers.record import Transfer
+from kvxfer.server.transfers.registry import TransferRegistry
+from kvxfer.server.transfers.sender import Sender
+from kvxfer.status import TransferInfo, TransferRole, TransferState
+
+log = logging.getLogger("kvxfer.server.transfers")
+
+#: How long telling a peer that a transfer ended may take.
+TELL_PEER_S = 2.0
+
+
+class TransferCoordinator:
+    """Every transfer verb of this daemon, for its workers and its peers."""
+
+    def __init__(self, registry: TransferRegistry, sender: Sender, receiver: Receiver,
+                 clients: PeerClients, *, peer_address: str) -> None:
+        self.registry = registry
+        self._sender = sender
+        self._receiver = receiver
+        self._clients = clients
+        self.peer_address = peer_address
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- worker verbs ----------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns, timeout_s: float) -> Transfer:
+        """Register destination pages for ``transfer_id`` (decode side)."""
+        return self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
+                              disjoint=True)
+
+    def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
+             timeout_s: float, verify: bool) -> Transfer:
+        """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side)."""
+        if not peer:
+            raise InvalidRangeError("peer is empty; expected the decode daemon's host:port")
+        t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
+                           verify=verify, peer=peer, disjoint=False)
+        if not t.state.final:
+            self._sender.start(t)
+        return t
+
+    def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float,
+              verify: bool) -> Transfer:
+        """Make source pages available for a peer's ``pull`` (prefill side)."""
+        return self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
+                              verify=verify, disjoint=False)
+
+    def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
+             timeout_s: float) -> Transfer:
+        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side)."""
+        if not peer:
+            raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
+        t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
+                           peer=peer, disjoint=True)
+        if not t.state.final:
+            self._receiver.start_pull(t)
+        return t
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> Transfer:
+        """``transfer_id`` once final; TransferDeadlineError if ``timeout_s`` passes first
+        (0: until its own deadline)."""
+        t = self.registry.get(transfer_id)
+        try:
+            await asyncio.wait_for(t.done.wait(), timeout_s or t.remaining() + 1)
+        except TimeoutError:
+            raise TransferDeadlineError(
+                f"transfer {transfer_id!r} is still {t.state.name} after waiting {timeout_s:g}s"
+            ) from None
+        return t
+
+    def abort(self, transfer_id: str, reason: str) -> Transfer:
+        """End ``transfer_id`` on both sides (nothing happens if it already ended)."""
+        t = self.registry.get(transfer_id)
+        if not t.state.final:
+            self.registry.finish(t, TransferAbortedError(
+                f"aborted here: {reason or 'no reason given'}"))
+            self._tell_peer(t, reason)
+        return t
+
+    def all(self) -> list[TransferInfo]:
+        """Every transfer still remembered, oldest first."""
+        return [t.info() for t in self.registry.all()]
+
+    def _register(self, transfer_id: str, role: TransferRole, pool: str, runs: PageRuns,
+                  timeout_s: float, *, verify: bool = False, peer: str = "",
+                  disjoint: bool) -> Transfer:
+        t = self.registry.register(transfer_id, role, pool, runs, timeout_s, verify=verify,
+                                   peer=peer, disjoint=disjoint)
+        if not t.state.final:
+            t.timer = asyncio.get_running_loop().call_later(t.timeout_s, self._expire, t)
+        return t
+
+    def _expire(self, t: Transfer) -> None:
+        if t.state.final:
+            return
+        self.registry.finish(t, TransferDeadlineError(
+            f"transfer {t.id!r} did not complete within its {t.timeout_s:g}s deadline "
+            f"(it was {t.state.name})"))
+        self._tell_peer(t, "deadline exceeded")
+
+    # -- peer verbs --------------------------------------------------------------------------
+
+    async def claim(self, claim: Claim, wait_s: float) -> ClaimGrant:
+        """A sender asks where a transfer goes (it waits up to ``wait_s`` for the expect)."""
+        return await self._receiver.claim(claim, wait_s or self.registry.default_timeout_s)
+
+    async def commit(self, commit: Commit) -> TransferInfo:
+        """A verifying sender hands over its checksums; the final status."""
+        return await self._receiver.commit(commit)
+
+    async def request_push(self, request: PushRequest, wait_s: float) -> None:
+        """A puller asks us to push an offered transfer."""
+        await self._sender.accept_push_request(request, wait_s or self.registry.default_timeout_s)
+
+    def abort_from_peer(self, abort: PeerAbort) -> None:
+        """The peer ended a transfer; end our side too (or remember it, if not yet here)."""
+        t = self.registry.find(abort.transfer_id)
+        reason = abort.reason or "no reason given"
+        if t is None:
+            self.registry.remember_early_abort(abort.transfer_id, reason)
+            return
+        if t.state.final:
+            return
+        if t.session_id and abort.session_id and t.session_id != abort.session_id:
+            return  # a stale abort from an earlier session of this id
+        self.registry.finish(t, TransferAbortedError(f"aborted by peer {t.peer or '?'}: {reason}"))
+
+    # -- both sides ------------------------------------------------------------------------------
+
+    def _tell_peer(self, t: Transfer, reason: str) -> None:
+        if not t.peer:
+            return
+        abort = PeerAbort(t.id, t.session_id, reason)
+        self._spawn(self._tell(t.peer, abort), name=f"tell {t.peer} {t.id} ended")
+
+    async def _tell(self, peer: str, abort: PeerAbort) -> None:
+        try:
+            await self._clients.get(peer).abort_transfer(abort, TELL_PEER_S)
+        except KvxferError as exc:
+            log.info("could not tell %s that %s ended: %s", peer, abort.transfer_id, exc)
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Refuse new transfers, let running ones finish for ``grace_s``, fail the rest (telling
+        their peers), and wait for those messages to go out."""
+        self.registry.accepting = False
+        running = [t for t in self.registry.all() if t.state == TransferState.TRANSFERRING]
+        if running:
+            log.info("waiting up to %.1fs for %d running transfers", grace_s, len(running))
+            await asyncio.wait([asyncio.create_task(t.done.wait()) for t in running],
+                               timeout=grace_s)
+        for t in self.registry.all():
+            if not t.state.final:
+                self.registry.finish(t, PeerUnavailableError(
+                    f"daemon {self.peer_address} shut down"))
+                self._tell_peer(t, "peer daemon shut down")
+        if self._background:
+            await asyncio.wait(self._background, timeout=TELL_PEER_S + 0.5)

@@ -1,0 +1,165 @@
+"""The receiving side of a transfer: claim, post receives, wait for the bytes, verify.
+
+Push, on the decode daemon D (see ``kvxfer.server.transfers``):
+
+2. A sender's ``Claim`` waits for the matching ``expect``, checks that the
+   layouts are compatible (before any byte moves), plans the chunks, posts one
+   receive per chunk straight into the destination pages, and answers with the
+   tag base.
+3. Without verify, D is DONE when the last message lands.
+4. With verify, the sender's ``Commit`` brings per-chunk checksums; D checks
+   the bytes that arrived and answers with the final status.
+
+A pull starts here: ``pull`` registers the expectation and asks the prefill
+daemon (``RequestPush``) to push it. The receive runs under the sender's
+session: when the session is lost, the transfer fails at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+from kvxfer.descriptor import check_compatible
+from kvxfer.errors import (
+    IncompatibleLayoutError,
+    IntegrityError,
+    InvalidRangeError,
+    KvxferError,
+    TransferAbortedError,
+    TransferExistsError,
+    TransferNotFoundError,
+)
+from kvxfer.integrity import checksum
+from kvxfer.server.peer_client import PeerClients
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
+from kvxfer.server.sessions import InboundSession, Sessions
+from kvxfer.server.transfers.planning import TagAllocator, plan_chunks
+from kvxfer.server.transfers.record import Transfer
+from kvxfer.server.transfers.registry import TransferRegistry
+from kvxfer.status import TransferInfo, TransferRole, TransferState
+from kvxfer.transport import Batch, Transport
+
+log = logging.getLogger("kvxfer.server.transfers")
+
+#: Set on a receiving daemon (tests only) to flip one byte of every transfer it receives.
+FAULT_CORRUPT_ENV = "KVXFER_FAULT_CORRUPT_RECEIVED"
+
+
+class Receiver:
+    """Claims, receives and verifies the transfers this daemon receives."""
+
+    def __init__(self, registry: TransferRegistry, sessions: Sessions, clients: PeerClients,
+                 transport: Transport, *, peer_address: str, chunk_bytes: int) -> None:
+        self._registry = registry
+        self._sessions = sessions
+        self._clients = clients
+        self._transport = transport
+        self._peer_address = peer_address
+        self._chunk_bytes = chunk_bytes
+        self._tags = TagAllocator()
+        self._corrupt = os.environ.get(FAULT_CORRUPT_ENV) == "1"
+
+    async def claim(self, claim: Claim, wait_s: float) -> ClaimGrant:
+        """A sender asks where ``claim.transfer_id`` goes; post the receives and answer."""
+        session = self._sessions.inbound(claim.session_id)
+        t = await self._registry.rendezvous(claim.transfer_id, TransferRole.RECEIVER, wait_s, "expect")
+        if t.state.final:
+            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+        if t.state != TransferState.WAITING or t.session_id:
+            raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
+        t.session_id = claim.session_id
+        t.peer = t.peer or session.peer_address
+        try:
+            grant = self._post(t, claim, session)
+        except KvxferError as exc:
+            self._registry.finish(t, exc)
+            raise
+        assert t.batch is not None
+        t.task = asyncio.create_task(self._receive(t, t.batch, session), name=f"recv {t.id}")
+        return grant
+
+    def _post(self, t: Transfer, claim: Claim, session: InboundSession) -> ClaimGrant:
+        src = session.pools.get(claim.src_pool)
+        if src is None:
+            raise IncompatibleLayoutError(
+                f"sender {session.peer_address} claims from pool {claim.src_pool!r}, which "
+                f"its handshake did not describe (it described {sorted(session.pools)})")
+        check_compatible(src, t.pool.descriptor)
+        chunks = plan_chunks(claim.src_runs, src.layout, t.runs, t.pool.descriptor.layout,
+                             claim.chunk_bytes or self._chunk_bytes)
+        if claim.lanes > self._transport.lanes:
+            raise InvalidRangeError(
+                f"the sender offers {claim.lanes} UCX lanes; this daemon has "
+                f"{self._transport.lanes} (its handshake said so)")
+        # A lane with no chunk would only cost a wake-up on both sides.
+        lanes = min(claim.lanes or 1, max(1, len(chunks)))
+        tag_base = self._tags.next_base()
+        t.verify = claim.verify
+        t.begin(chunks, lanes)
+        arena = t.pool.arena
+        t.batch = self._transport.receive(
+            [(arena.buffer(c.dst_offset, c.nbytes), tag_base + i) for i, c in enumerate(chunks)],
+            lanes)
+        return ClaimGrant(tag_base, t.pool.name, t.runs, lanes)
+
+    async def _receive(self, t: Transfer, batch: Batch, session: InboundSession) -> None:
+        try:
+            await session.guard(asyncio.wrap_future(batch.future))
+            t.data_finished = time.monotonic()
+            if self._corrupt:
+                t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
+            if not t.verify:
+                self._registry.finish(t)  # every byte is in place; no Commit will come
+            t.arrived.set()
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)
+
+    async def commit(self, commit: Commit) -> TransferInfo:
+        """The sender sent everything; wait for the bytes, verify, and answer with the end.
+
+        Only verifying senders call this, but answering any sender works: an
+        unverified transfer is already final here once its bytes arrived.
+        """
+        t = self._registry.get(commit.transfer_id)
+        if t.role != TransferRole.RECEIVER or t.session_id != commit.session_id:
+            raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
+        try:
+            await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
+        except TimeoutError:
+            pass  # the deadline timer ends it; report what it ended as
+        if not t.state.final and commit.checksums:
+            failure = await self._verify(t, commit.checksums)
+            t.verified = failure is None
+            self._registry.finish(t, failure)
+        elif not t.state.final:
+            self._registry.finish(t)
+        return t.info()
+
+    async def _verify(self, t: Transfer, expected: tuple[int, ...]) -> IntegrityError | None:
+        if len(expected) != len(t.chunks):
+            return IntegrityError(f"sender sent {len(expected)} checksums for {len(t.chunks)} chunks")
+        arena = t.pool.arena
+        actual = await asyncio.to_thread(
+            lambda: [checksum(arena.buffer(c.dst_offset, c.nbytes)) for c in t.chunks])
+        for i, (want, got) in enumerate(zip(expected, actual)):
+            if want != got:
+                c = t.chunks[i]
+                return IntegrityError(
+                    f"chunk {i} of transfer {t.id!r} (destination bytes "
+                    f"[{c.dst_offset}, {c.dst_offset + c.nbytes})) has checksum {got:#x}, the "
+                    f"sender computed {want:#x}")
+        return None
+
+    def start_pull(self, t: Transfer) -> None:
+        """Ask the daemon at ``t.peer`` to push ``t`` here (it waits for its offer)."""
+        t.task = asyncio.create_task(self._request_push(t), name=f"pull {t.id}")
+
+    async def _request_push(self, t: Transfer) -> None:
+        request = PushRequest(t.id, self._peer_address, t.pool.name, t.remaining())
+        try:
+            await self._clients.get(t.peer).request_push(request, t.deadline)
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)

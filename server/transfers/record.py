@@ -1,0 +1,137 @@
+"""One side of one transfer, and the table of the states it may move between.
+
+A transfer starts WAITING (registered, waiting for the other side), becomes
+TRANSFERRING when its chunks are planned and its messages posted, and ends in
+one final state: DONE, FAILED, ABORTED or DEADLINE_EXCEEDED. ``TRANSITIONS``
+is the whole state machine: ``Transfer.advance`` refuses any move it does not
+list (an InternalError: a bug, never a caller's fault), and the unit tests
+drive every listed move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvxfer.errors import InternalError, KvxferError, TransferAbortedError, TransferDeadlineError
+from kvxfer.pages import Extent, PageRuns
+from kvxfer.server.pools import Pool
+from kvxfer.status import TransferInfo, TransferRole, TransferState
+from kvxfer.transport import Batch
+
+_ENDS = frozenset({TransferState.FAILED, TransferState.ABORTED, TransferState.DEADLINE_EXCEEDED})
+
+#: Every state a transfer may move to from each state.
+TRANSITIONS: Final[Mapping[TransferState, frozenset[TransferState]]] = {
+    TransferState.WAITING: frozenset({TransferState.TRANSFERRING}) | _ENDS,
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE}) | _ENDS,
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+    TransferState.ABORTED: frozenset(),
+    TransferState.DEADLINE_EXCEEDED: frozenset(),
+}
+
+
+def final_state(error: KvxferError | None) -> TransferState:
+    """The state a transfer ends in: DONE without an error, else by the error's type."""
+    if error is None:
+        return TransferState.DONE
+    if isinstance(error, TransferDeadlineError):
+        return TransferState.DEADLINE_EXCEEDED
+    if isinstance(error, TransferAbortedError):
+        return TransferState.ABORTED
+    return TransferState.FAILED
+
+
+@dataclass(eq=False)
+class Transfer:
+    """One side of one transfer: what it moves, where it is, and what it holds.
+
+    ``done`` is set when it reaches a final state; ``arrived`` also when its
+    bytes have all landed (a receiver that still has to verify them).
+    """
+
+    id: str
+    role: TransferRole
+    pool: Pool
+    runs: PageRuns
+    timeout_s: float
+    deadline: float
+    verify: bool = False
+    peer: str = ""
+    session_id: str = ""
+    state: TransferState = TransferState.WAITING
+    history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
+    created_unix: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    data_finished: float | None = None
+    chunks: tuple[Extent, ...] = ()
+    lanes: int = 0
+    error: KvxferError | None = None
+    verified: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[Any] | None = None
+    batch: Batch | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    def advance(self, state: TransferState) -> None:
+        """Move to ``state``; raises InternalError if the table does not allow it."""
+        if state not in TRANSITIONS[self.state]:
+            raise InternalError(f"transfer {self.id!r} cannot move from {self.state.name} to "
+                                f"{state.name}")
+        self.state = state
+        self.history.append(state)
+
+    def begin(self, chunks: tuple[Extent, ...], lanes: int) -> None:
+        """Chunks planned, messages about to be posted: WAITING -> TRANSFERRING."""
+        self.advance(TransferState.TRANSFERRING)
+        self.chunks = chunks
+        self.lanes = lanes
+        self.started = time.monotonic()
+
+    def end(self, error: KvxferError | None = None) -> bool:
+        """Move to the final state ``error`` gives (once); False if already final."""
+        if self.state.final:
+            return False
+        self.advance(final_state(error))
+        self.error = error
+        self.finished = time.monotonic()
+        self.done.set()
+        self.arrived.set()
+        return True
+
+    @property
+    def bytes_total(self) -> int:
+        """Bytes the transfer moves."""
+        return self.runs.num_pages * self.pool.descriptor.page_bytes
+
+    @property
+    def bytes_done(self) -> int:
+        """Bytes of this transfer whose messages completed."""
+        if self.batch is not None:
+            return self.batch.bytes_done
+        return self.bytes_total if self.state == TransferState.DONE else 0
+
+    def remaining(self) -> float:
+        """Seconds to the deadline (0 when past it)."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def info(self) -> TransferInfo:
+        """This side's status, as workers and peers see it."""
+        seconds = data_seconds = 0.0
+        if self.started is not None:
+            seconds = (self.finished or time.monotonic()) - self.started
+            if self.data_finished is not None:
+                data_seconds = self.data_finished - self.started
+        return TransferInfo(
+            transfer_id=self.id, role=self.role, state=self.state, pool=self.pool.name,
+            peer=self.peer, pages=self.runs.num_pages, bytes=self.bytes_total,
+            bytes_done=self.bytes_done, extents=len(self.chunks), seconds=seconds,
+            failure=self.error, verified=self.verified, created_unix=self.created_unix,
+            data_seconds=data_seconds, lanes=self.lanes,
+        )

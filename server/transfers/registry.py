@@ -1,0 +1,170 @@
+"""Every transfer this daemon knows: registration, the rendezvous per id, retention, endings.
+
+``register`` validates a worker's request and records the transfer;
+``rendezvous`` waits for the registration a peer's call needs (a Claim waits
+for the Expect, a RequestPush for the Offer), with one waiter per id and role,
+so a registration wakes only the calls that wait for it. ``finish`` is the one
+place a transfer ends: it releases what the transfer holds (its deadline
+timer, its task, its UCX requests) and counts it. Finished transfers are kept
+for ``retain`` registrations more, so a late ``wait`` or ``transfers`` still
+sees how they ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, defaultdict
+
+from kvxfer.errors import (
+    InternalError,
+    InvalidRangeError,
+    KvxferError,
+    PeerUnavailableError,
+    TransferAbortedError,
+    TransferDeadlineError,
+    TransferExistsError,
+    TransferNotFoundError,
+)
+from kvxfer.pages import PageRuns
+from kvxfer.server.metrics import DaemonMetrics
+from kvxfer.server.pools import PoolRegistry
+from kvxfer.server.transfers.record import Transfer
+from kvxfer.status import TransferRole
+from kvxfer.transport import Transport
+
+log = logging.getLogger("kvxfer.server.transfers")
+
+
+class TransferRegistry:
+    """Registers, finds, pairs up and ends this daemon's transfers."""
+
+    def __init__(self, pools: PoolRegistry, transport: Transport, metrics: DaemonMetrics, *,
+                 default_timeout_s: float, retain: int) -> None:
+        self._pools = pools
+        self._transport = transport
+        self._metrics = metrics
+        self.default_timeout_s = default_timeout_s
+        self._retain = retain
+        self._transfers: OrderedDict[str, Transfer] = OrderedDict()
+        self._waiters: defaultdict[tuple[str, TransferRole], list[asyncio.Future[Transfer]]] = (
+            defaultdict(list))
+        # Ids a peer aborted before this side registered them: registering one ends it at once.
+        self._aborted_early: OrderedDict[str, str] = OrderedDict()
+        self.accepting = True
+
+    def get(self, transfer_id: str) -> Transfer:
+        """The transfer ``transfer_id``; raises TransferNotFoundError."""
+        try:
+            return self._transfers[transfer_id]
+        except KeyError:
+            raise TransferNotFoundError(f"no transfer {transfer_id!r} is known here") from None
+
+    def find(self, transfer_id: str) -> Transfer | None:
+        """The transfer ``transfer_id``, or None."""
+        return self._transfers.get(transfer_id)
+
+    def all(self) -> list[Transfer]:
+        """Every transfer still remembered, oldest first."""
+        return list(self._transfers.values())
+
+    def register(self, transfer_id: str, role: TransferRole, pool_name: str, runs: PageRuns,
+                 timeout_s: float, *, verify: bool = False, peer: str = "",
+                 disjoint: bool) -> Transfer:
+        """Record a new transfer (``timeout_s`` 0: the default); it may end at once if the
+        peer already aborted it. Raises for a bad request, a busy id, or while shutting down."""
+        if not self.accepting:
+            raise PeerUnavailableError("this daemon is shutting down; no new transfers")
+        if not transfer_id:
+            raise InvalidRangeError("transfer_id is empty; expected the engine's request id")
+        if timeout_s < 0:
+            raise InvalidRangeError(f"timeout_s={timeout_s} must be >= 0 (0 means the default)")
+        pool = self._pools.get(pool_name)
+        runs.check_bounds(pool.descriptor.num_pages, what=f"pool {pool_name!r} pages")
+        if disjoint:
+            runs.check_disjoint()
+        old = self._transfers.get(transfer_id)
+        if old is not None and not old.state.final:
+            raise TransferExistsError(
+                f"transfer {transfer_id!r} is already {old.state.name} here as "
+                f"{old.role.name}; wait for it or abort it first")
+        timeout = timeout_s or self.default_timeout_s
+        t = Transfer(transfer_id, role, pool, runs, timeout, time.monotonic() + timeout,
+                     verify=verify, peer=peer)
+        self._transfers.pop(transfer_id, None)
+        self._transfers[transfer_id] = t
+        self._metrics.active.labels(role.name.lower()).inc()
+        self._prune()
+        if transfer_id in self._aborted_early:
+            reason = self._aborted_early.pop(transfer_id)
+            self.finish(t, TransferAbortedError(
+                f"aborted by the peer before it was registered here: {reason}"))
+        for waiter in self._waiters.pop((transfer_id, role), []):
+            if not waiter.done():
+                waiter.set_result(t)
+        return t
+
+    def _prune(self) -> None:
+        final = [k for k, t in self._transfers.items() if t.state.final]
+        for key in final[: max(0, len(self._transfers) - self._retain)]:
+            del self._transfers[key]
+
+    async def rendezvous(self, transfer_id: str, role: TransferRole, timeout_s: float,
+                         what: str) -> Transfer:
+        """The ``role`` side of ``transfer_id``, once registered here (within ``timeout_s``).
+
+        A final transfer that already had its partner is history, not a match: its id
+        is being reused and the new registration is still to come.
+        """
+        t = self._transfers.get(transfer_id)
+        partnered = t is not None and bool(t.session_id if role == TransferRole.RECEIVER else t.peer)
+        if t is not None and t.role == role and not (t.state.final and partnered):
+            return t
+        waiter: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
+        key = (transfer_id, role)
+        self._waiters[key].append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError:
+            raise TransferDeadlineError(
+                f"no {what} for transfer {transfer_id!r} arrived within {timeout_s:g}s") from None
+        finally:
+            waiters = self._waiters.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._waiters[key]
+
+    def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
+        """End ``t`` (once) and release what it holds; the final state follows ``error``."""
+        if not t.end(error):
+            return
+        if t.timer is not None:
+            t.timer.cancel()
+        if t.task is not None and t.task is not asyncio.current_task():
+            t.task.cancel()
+        if t.batch is not None and error is not None:
+            self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
+        role = t.role.name.lower()
+        self._metrics.active.labels(role).dec()
+        self._metrics.transfers.labels(role, t.state.name.lower()).inc()
+        if error is None:
+            self._metrics.bytes.labels(role).inc(t.bytes_total)
+            log.info("transfer %s %s done: %d bytes in %.3fs", t.id, role, t.bytes_total,
+                     (t.finished or 0.0) - (t.started or t.finished or 0.0))
+        else:
+            log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error)
+
+    def fail(self, t: Transfer, exc: BaseException) -> None:
+        """End ``t`` with ``exc``; an exception that is no kvxfer error is a bug, logged as such."""
+        if not isinstance(exc, KvxferError):
+            log.error("transfer %s failed unexpectedly", t.id, exc_info=exc)
+            exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
+        self.finish(t, exc)
+
+    def remember_early_abort(self, transfer_id: str, reason: str) -> None:
+        """A peer aborted ``transfer_id`` before it was registered here: end it on arrival."""
+        self._aborted_early[transfer_id] = reason
+        while len(self._aborted_early) > self._retain:
+            self._aborted_early.popitem(last=False)

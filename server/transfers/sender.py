@@ -1,0 +1,110 @@
+"""The sending side of a transfer: open a session, claim, send the chunks, commit.
+
+Push, on the prefill daemon P (see ``kvxfer.server.transfers``):
+
+1. P opens (or reuses) a session with the decode daemon D.
+2. P claims the transfer; D answers once its receives are posted.
+3. P plans the same chunks and sends them from the source pages, a bounded
+   window in flight. Without verify, P is DONE when its last send completed.
+4. With verify, P hands D the per-chunk checksums (``Commit``) and adopts
+   D's final status.
+
+Everything after the session opens runs under it (``session.guard``): a lost
+peer fails the transfer at once, wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvxfer.descriptor import check_compatible
+from kvxfer.errors import (
+    IncompatibleLayoutError,
+    InternalError,
+    InvalidRangeError,
+    TransferAbortedError,
+    TransferExistsError,
+)
+from kvxfer.integrity import checksum
+from kvxfer.server.peer_protocol import Claim, Commit, PushRequest
+from kvxfer.server.sessions import OutboundSession, Sessions
+from kvxfer.server.transfers.planning import plan_chunks
+from kvxfer.server.transfers.record import Transfer
+from kvxfer.server.transfers.registry import TransferRegistry
+from kvxfer.status import TransferRole
+from kvxfer.transport import Transport
+
+
+class Sender:
+    """Drives the transfers this daemon sends."""
+
+    def __init__(self, registry: TransferRegistry, sessions: Sessions, transport: Transport, *,
+                 chunk_bytes: int, window_bytes: int) -> None:
+        self._registry = registry
+        self._sessions = sessions
+        self._transport = transport
+        self._chunk_bytes = chunk_bytes
+        self._window_bytes = window_bytes
+
+    def start(self, t: Transfer) -> None:
+        """Push ``t`` to ``t.peer`` in the background."""
+        t.task = asyncio.create_task(self._push(t), name=f"push {t.id}")
+
+    async def accept_push_request(self, request: PushRequest, wait_s: float) -> None:
+        """A puller asks us to push ``request.transfer_id`` to it once it is offered here."""
+        t = await self._registry.rendezvous(request.transfer_id, TransferRole.SENDER, wait_s, "offer")
+        if t.state.final:
+            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+        if t.peer or t.task is not None:
+            raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
+        t.peer = request.reply_to
+        self.start(t)
+
+    async def _push(self, t: Transfer) -> None:
+        try:
+            session = await self._sessions.outbound(t.peer, t.deadline)
+            t.session_id = session.session_id
+            await session.guard(self._run(t, session))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)
+
+    async def _run(self, t: Transfer, session: OutboundSession) -> None:
+        assert session.client is not None and session.connection is not None
+        connection = session.connection
+        claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.remaining(), t.verify,
+                      self._chunk_bytes, connection.lanes)
+        grant = await session.client.claim(claim, t.deadline)
+        dst = session.pools.get(grant.dst_pool)
+        if dst is None:
+            raise IncompatibleLayoutError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
+        check_compatible(t.pool.descriptor, dst)
+        chunks = plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
+                             self._chunk_bytes)
+        if grant.lanes > connection.lanes:
+            raise InvalidRangeError(f"peer {t.peer} posted on {grant.lanes} lanes; we offered "
+                                    f"{connection.lanes}")
+        t.begin(chunks, grant.lanes)
+        arena = t.pool.arena
+        buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
+        t.batch = self._transport.send(
+            connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
+            self._window_bytes, grant.lanes)
+        # Checksums are computed in a worker thread while UCX sends: both only read the pages.
+        checksums = await asyncio.to_thread(lambda: [checksum(b) for b in buffers]) if t.verify else []
+        await asyncio.wrap_future(t.batch.future)
+        t.data_finished = time.monotonic()
+        if not t.verify:
+            self._registry.finish(t)
+            return
+        outcome = await session.client.commit(
+            Commit(t.id, session.session_id, tuple(checksums)), t.deadline)
+        t.verified = outcome.verified
+        failure = outcome.failure
+        if failure is not None:
+            failure = type(failure)(f"receiver {t.peer}: {failure}")
+        elif not outcome.ok:
+            failure = InternalError(f"receiver {t.peer} answered {outcome.state.name} with no reason")
+        self._registry.finish(t, failure)
