@@ -199,10 +199,10 @@ def _run(args: argparse.Namespace, lengths: tuple[int, int], stack: ExitStack) -
         rng = random.Random(args.seed * 1000 + w)
         my_pages = list(range(w * slice_pages, (w + 1) * slice_pages))
         with KvxferClient(args.prefill) as pre, KvxferClient(args.decode) as dec:
-            for i in range(args.warmup):
+            for warm in range(args.warmup):
                 src = random_runs(rng, list(range(src_desc.num_pages)), args.pages, lengths)
                 dst = random_runs(rng, my_pages, args.pages, lengths)
-                _one_transfer(args, pre, dec, f"warmup-{w}-{i}-{time.time_ns()}", src, dst)
+                _one_transfer(args, pre, dec, f"warmup-{w}-{warm}-{time.time_ns()}", src, dst)
             while (i := next_index()) is not None:
                 src = random_runs(rng, list(range(src_desc.num_pages)), args.pages, lengths)
                 dst = random_runs(rng, my_pages, args.pages, lengths)

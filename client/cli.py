@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -196,8 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except KvxferError as exc:
         console.print(f"[red]error:[/] {type(exc).__name__}: {exc}")
         return 2

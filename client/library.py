@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
@@ -93,7 +93,10 @@ class KvxferClient:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address)
         self._stub = pb_grpc.KvxferStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._health_check = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
         try:
@@ -128,7 +131,7 @@ class KvxferClient:
 
     def health(self, service: str = "") -> str:
         """The daemon's health status name (SERVING, NOT_SERVING, ...)."""
-        reply = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        reply = self._call(self._health_check, health_pb2.HealthCheckRequest(service=service))
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     # -- transfers --------------------------------------------------------------------

@@ -214,7 +214,7 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
                 return run_disaggregated(flavour, prompts, new_tokens, corrupt=corrupt,
                                          verify=verify, daemons=(pre, dec))
     pre, dec = daemons
-    requests = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
+    requests: list[dict[str, Any]] = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
     env = {**os.environ, **LOOPBACK_ENV}
     me = [sys.executable, "-m", "kvxfer.examples.disagg"]
     prefill = subprocess.Popen(
@@ -239,7 +239,7 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
         if prefill.poll() is None:
             prefill.kill()
             prefill.wait(10)
-    results = json.loads(decode.stdout)
+    results: dict[str, Any] = json.loads(decode.stdout)
     for req, first in zip(requests, firsts):
         results[req["id"]]["prefill_logits"] = first["logits"]
     results["_pushed"] = pushed["pushed"]

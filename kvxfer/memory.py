@@ -196,7 +196,9 @@ def _map(fd: int, size_bytes: int) -> mmap.mmap:
 def _create_cuda(name: str, size_bytes: int, device: str) -> Arena:
     raw = torch.zeros(size_bytes, dtype=torch.uint8, device=device)
     storage = raw.untyped_storage()
-    (dev, handle, _size, offset, ref_handle, ref_offset, event, sync) = storage._share_cuda_()
+    # torch.multiprocessing's own (untyped) sharing call.
+    (dev, handle, _size, offset, ref_handle, ref_offset, event, sync) = (
+        storage._share_cuda_())  # type: ignore[no-untyped-call]
     ipc = CudaIpcHandle(dev, handle, offset, ref_handle, ref_offset, event or b"", sync)
     return Arena(name, device, raw, MemoryHandle(name, device, size_bytes, cuda=ipc))
 

@@ -66,7 +66,7 @@ def generate(out_dir: Path) -> list[Path]:
 
 def generated_files(root: Path) -> list[Path]:
     """The paths protoc writes under ``root`` for every proto file."""
-    paths = []
+    paths: list[Path] = []
     for proto in proto_files():
         stem = root / proto.with_suffix("")
         paths.extend(stem.with_name(stem.name + suffix) for suffix in SUFFIXES)

@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
+from pydantic.config import JsonDict
 from pydantic_settings import (
     BaseSettings,
     CliSettingsSource,
@@ -148,7 +149,7 @@ def _arenas(pools: list[Any], arenas: list[Any], device: str) -> tuple[ArenaConf
 
 def _setting(default: Any, description: str, expected: str = "", **bounds: Any) -> Any:
     """A setting's default, help text and bounds; ``expected`` words the bounds for errors."""
-    extra = {"expected": expected} if expected else None
+    extra: JsonDict | None = {"expected": expected} if expected else None
     return Field(default, description=description, json_schema_extra=extra, **bounds)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import grpc
 
@@ -26,26 +26,28 @@ log = logging.getLogger("kvxfer.server")
 Context = grpc.aio.ServicerContext[Any, Any]
 Unary = Callable[[Any, Context], Awaitable[Any]]
 Streaming = Callable[[Any, Context], AsyncIterator[Any]]
-Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic in the stubs only
+Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]"
 
 
 class _Wrapping(grpc.aio.ServerInterceptor):
     """An interceptor that runs ``around`` every unary and server-streaming call."""
 
     async def intercept_service(self, continuation: Continuation,
-                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+                                details: grpc.HandlerCallDetails) -> Handler | None:
         handler = await continuation(details)
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
+        # The stubs type the behaviours as synchronous; on an aio server they are coroutines.
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
+                self._unary(method, cast(Unary, handler.unary_unary)),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, handler.unary_stream),
+                self._streaming(method, cast(Streaming, handler.unary_stream)),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler

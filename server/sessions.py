@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -78,8 +78,9 @@ class Session:
         """``work``'s result, unless the session is lost first: then ``work`` is cancelled
         and PeerUnavailableError says why."""
         task = asyncio.ensure_future(work)
+        racing: set[asyncio.Future[Any]] = {task, self.lost}
         try:
-            await asyncio.wait({task, self.lost}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             task.cancel()
             raise

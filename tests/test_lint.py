@@ -1,4 +1,4 @@
-"""The code passes ruff (style, imports, likely bugs) with the project's settings."""
+"""The code passes ruff (style, imports, likely bugs) and mypy --strict with the project's settings."""
 
 from __future__ import annotations
 
@@ -13,3 +13,11 @@ def test_ruff_is_clean() -> None:
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "kvxfer", "server", "client", "examples",
                           "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy_strict_is_clean() -> None:
+    """kvxfer, kvxfer.server and kvxfer.client (the packages of pyproject's [tool.mypy])."""
+    out = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Success: no issues found" in out.stdout
