@@ -32,7 +32,7 @@ from typing import IO
 
 import numpy as np
 import xxhash
-from transfer_bandwidth import kernel_copy_gbps, print_result, protocol_for, ucx_env
+from transfer_bandwidth import kernel_copy_gbps, print_result, protocol_for, rounds_parser, ucx_env
 
 TRANSFER_BYTES = 256 << 20
 WINDOW_BYTES = 64 << 20  # the daemon's default window
@@ -86,12 +86,7 @@ def expect(stream: IO[str], word: str, skipped: list[str] | None = None) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--per-round", type=int, default=5, help="transfers per round (default 5)")
-    parser.add_argument("--eh", choices=("on", "off"), default="on",
-                        help="UCX peer error handling (default on, as the daemon)")
+    parser = rounds_parser(__doc__, per_round=5)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20, help="message size (default 2 MiB)")
     parser.add_argument("--shm-dir", default="/dev/shm", help="where both buffers live")
     parser.add_argument("--idle-s", type=float, default=0.0,

@@ -65,7 +65,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvxfer.client import KvxferClient
+from kvxfer.client import KvxferClient, TransferInfo, hand_off
 from kvxfer.client.bench import random_runs
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.transport import LOOPBACK_ENV, UCX_DEFAULTS
@@ -141,6 +141,21 @@ def perftest(message_bytes: int, iterations: int, env: dict[str, str]) -> tuple[
     return mb_per_s * 2**20 / 1e9, protocol_for(out.stdout + out.stderr, message_bytes)
 
 
+def rounds_parser(doc: str | None, per_round: int, eh_default: str = "on") -> argparse.ArgumentParser:
+    """The flags every benchmark here shares: interleaved rounds, samples per round, and
+    UCX error handling ("both" runs it on, then off, where ``eh_default`` is "both")."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved rounds (default 5; >= 5 for a note)")
+    parser.add_argument("--per-round", type=int, default=per_round,
+                        help=f"samples per case and round (default {per_round})")
+    choices = ("on", "off", "both") if eh_default == "both" else ("on", "off")
+    parser.add_argument("--eh", choices=choices, default=eh_default,
+                        help=f"UCX peer error handling (default {eh_default}; on is the daemon's)")
+    return parser
+
+
 def print_result(result: dict[str, object], as_json: bool) -> None:
     """A benchmark's figures: one JSON object, or a line per figure."""
     if as_json:
@@ -175,20 +190,26 @@ class Pair:
     rng: random.Random
     count: int = 0
 
-    def transfer_gbps(self) -> tuple[float, float]:
-        """Move one transfer of seeded random runs: its GB/s as the client saw it, and
-        over the receiver's data phase alone (receives posted to the last arrived)."""
-        src = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
-        dst = random_runs(self.rng, list(range(self.num_pages)), self.pages_per_transfer, (1, 16))
+    def move(self, pages: int, verify: bool = False) -> tuple[TransferInfo, float]:
+        """Push one transfer of ``pages`` pages in seeded random runs; the receiver's status
+        and the seconds from the expect call to both waits returning."""
+        src = random_runs(self.rng, list(range(self.num_pages)), pages, (1, 16))
+        dst = random_runs(self.rng, list(range(self.num_pages)), pages, (1, 16))
         self.count += 1
-        tid = f"bw-{self.count}"
         start = time.perf_counter()
-        self.receiver.expect(tid, "kv", dst, timeout_s=120)
-        self.sender.push(tid, "kv", src, peer=self.decode.peer_address, timeout_s=120)
-        sent, got = self.sender.wait(tid, timeout_s=120), self.receiver.wait(tid, timeout_s=120)
+        done = hand_off(self.sender, self.receiver, f"bw-{self.count}", pool="kv", src=src,
+                        dst=dst, decode_peer=self.decode.peer_address, verify=verify,
+                        timeout_s=120)
         elapsed = time.perf_counter() - start
-        if not (sent.ok and got.ok):
-            raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
+        if not done.ok:
+            raise RuntimeError(f"transfer bw-{self.count} failed: {done.why}: "
+                               f"{done.sent.error or done.received.error}")
+        return done.received, elapsed
+
+    def transfer_gbps(self) -> tuple[float, float]:
+        """Move one transfer: its GB/s as the client saw it, and over the receiver's data
+        phase alone (receives posted to the last arrived)."""
+        got, elapsed = self.move(self.pages_per_transfer)
         return got.bytes / elapsed / 1e9, got.bytes / got.data_seconds / 1e9
 
 
@@ -293,12 +314,7 @@ def run_mode(error_handling: bool, rounds: int, per_round: int, chunk_bytes: int
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 5 for the note)")
-    parser.add_argument("--per-round", type=int, default=3, help="kvxfer transfers per case and round")
-    parser.add_argument("--eh", choices=("on", "off", "both"), default="both",
-                        help="UCX error handling on the daemons (default: both, on first)")
+    parser = rounds_parser(__doc__, per_round=3, eh_default="both")
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20,
                         help="kvxfer's largest message and ucx_perftest's message size (default 2 MiB)")
     parser.add_argument("--shm-dir", default="/dev/shm",

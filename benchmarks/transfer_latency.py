@@ -17,15 +17,11 @@ usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh
 
 from __future__ import annotations
 
-import argparse
-import random
 import statistics
 import sys
 import time
 
-from transfer_bandwidth import daemon_pair, print_result, ucx_env
-
-from kvxfer.client.bench import random_runs
+from transfer_bandwidth import daemon_pair, print_result, rounds_parser, ucx_env
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -33,12 +29,7 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    parser.add_argument("--per-round", type=int, default=20, help="samples per case and round")
-    parser.add_argument("--eh", choices=("on", "off"), default="on",
-                        help="UCX error handling on the daemons (default on, the daemon default)")
+    parser = rounds_parser(__doc__, per_round=20)
     parser.add_argument("--lanes", type=int, default=1,
                         help="the daemons' UCX data lanes (default 1, the daemon default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -47,26 +38,11 @@ def main() -> int:
     cases = [(pages, verify) for pages in (1, 16) for verify in (False, True)]
     seconds: dict[str, list[float]] = {"grpc_health": []}
     per_round: dict[str, list[float]] = {}
-    rng = random.Random(0)
     with daemon_pair("llama8b", 1, ucx_env(), 4 << 20, args.eh == "on", "/dev/shm",
                      args.lanes) as pair:
-        count = 0
 
         def one_transfer(pages: int, verify: bool) -> float:
-            nonlocal count
-            count += 1
-            tid = f"lat-{count}"
-            src = random_runs(rng, list(range(pair.num_pages)), pages, (1, 16))
-            dst = random_runs(rng, list(range(pair.num_pages)), pages, (1, 16))
-            start = time.perf_counter()
-            pair.receiver.expect(tid, "kv", dst, timeout_s=30)
-            pair.sender.push(tid, "kv", src, peer=pair.decode.peer_address, timeout_s=30,
-                             verify=verify)
-            sent, got = pair.sender.wait(tid, timeout_s=30), pair.receiver.wait(tid, timeout_s=30)
-            elapsed = time.perf_counter() - start
-            if not (sent.ok and got.ok):
-                raise RuntimeError(f"transfer {tid} failed: {sent.error or got.error}")
-            return elapsed
+            return pair.move(pages, verify)[1]
 
         def one_health() -> float:
             start = time.perf_counter()

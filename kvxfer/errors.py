@@ -10,7 +10,7 @@ gRPC: codes are named by their ``grpc.StatusCode`` names.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 class KvxferError(Exception):
@@ -19,96 +19,62 @@ class KvxferError(Exception):
     code: ClassVar[str] = "UNKNOWN"
     reason: ClassVar[str] = "KVXFER_ERROR"
 
+    def __init_subclass__(cls, *, code: str, reason: str, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.code, cls.reason = code, reason
 
-class InternalError(KvxferError):
+
+class InternalError(KvxferError, code="INTERNAL", reason="INTERNAL"):
     """A bug or an unexpected failure inside kvxfer (never the caller's fault)."""
 
-    code = "INTERNAL"
-    reason = "INTERNAL"
 
-
-class InvalidSpecError(KvxferError, ValueError):
+class InvalidSpecError(KvxferError, ValueError, code="INVALID_ARGUMENT", reason="INVALID_SPEC"):
     """A pool spec, layout, descriptor or setting is malformed (bad size, dtype, alignment)."""
 
-    code = "INVALID_ARGUMENT"
-    reason = "INVALID_SPEC"
 
-
-class InvalidRangeError(KvxferError, ValueError):
+class InvalidRangeError(KvxferError, ValueError, code="INVALID_ARGUMENT", reason="INVALID_RANGE"):
     """Page ranges or transfer arguments are malformed: empty, negative, overlapping, unequal."""
 
-    code = "INVALID_ARGUMENT"
-    reason = "INVALID_RANGE"
 
-
-class PageOutOfRangeError(InvalidRangeError):
+class PageOutOfRangeError(InvalidRangeError, code="OUT_OF_RANGE", reason="PAGE_OUT_OF_RANGE"):
     """A page range reaches outside the pool it names."""
 
-    code = "OUT_OF_RANGE"
-    reason = "PAGE_OUT_OF_RANGE"
 
-
-class IncompatibleLayoutError(KvxferError):
+class IncompatibleLayoutError(KvxferError, code="FAILED_PRECONDITION", reason="INCOMPATIBLE_LAYOUT"):
     """Two pools or daemons cannot exchange pages: their layouts differ (the message names how)."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "INCOMPATIBLE_LAYOUT"
 
-
-class AttachError(KvxferError):
+class AttachError(KvxferError, code="FAILED_PRECONDITION", reason="ATTACH_FAILED"):
     """A worker could not map the daemon's pool memory."""
 
-    code = "FAILED_PRECONDITION"
-    reason = "ATTACH_FAILED"
 
-
-class PoolNotFoundError(KvxferError, LookupError):
+class PoolNotFoundError(KvxferError, LookupError, code="NOT_FOUND", reason="POOL_NOT_FOUND"):
     """No pool of that name is served here."""
 
-    code = "NOT_FOUND"
-    reason = "POOL_NOT_FOUND"
 
-
-class TransferNotFoundError(KvxferError, LookupError):
+class TransferNotFoundError(KvxferError, LookupError, code="NOT_FOUND", reason="TRANSFER_NOT_FOUND"):
     """No transfer of that id is known here."""
 
-    code = "NOT_FOUND"
-    reason = "TRANSFER_NOT_FOUND"
 
-
-class TransferExistsError(KvxferError):
+class TransferExistsError(KvxferError, code="ALREADY_EXISTS", reason="TRANSFER_EXISTS"):
     """A transfer of that id is already registered on this side."""
 
-    code = "ALREADY_EXISTS"
-    reason = "TRANSFER_EXISTS"
 
-
-class PeerUnavailableError(KvxferError):
+class PeerUnavailableError(KvxferError, code="UNAVAILABLE", reason="PEER_UNAVAILABLE"):
     """The peer daemon cannot be reached, or it disappeared mid-transfer."""
 
-    code = "UNAVAILABLE"
-    reason = "PEER_UNAVAILABLE"
 
-
-class TransferDeadlineError(KvxferError, TimeoutError):
+class TransferDeadlineError(KvxferError, TimeoutError, code="DEADLINE_EXCEEDED",
+                            reason="TRANSFER_DEADLINE_EXCEEDED"):
     """The transfer did not complete before its deadline."""
 
-    code = "DEADLINE_EXCEEDED"
-    reason = "TRANSFER_DEADLINE_EXCEEDED"
 
-
-class TransferAbortedError(KvxferError):
+class TransferAbortedError(KvxferError, code="ABORTED", reason="TRANSFER_ABORTED"):
     """The transfer was aborted by one of its sides."""
 
-    code = "ABORTED"
-    reason = "TRANSFER_ABORTED"
 
-
-class IntegrityError(KvxferError):
+class IntegrityError(KvxferError, code="DATA_LOSS", reason="INTEGRITY_CHECK_FAILED"):
     """Bytes arrived but their checksum does not match what the sender computed."""
-
-    code = "DATA_LOSS"
-    reason = "INTEGRITY_CHECK_FAILED"
 
 
 #: Every concrete error type, by its wire reason (the wire codec's lookup table).

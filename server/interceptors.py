@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias, cast
 
 import grpc
@@ -31,7 +32,10 @@ Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[Handler
 
 
 class _Wrapping(grpc.aio.ServerInterceptor):
-    """An interceptor that runs ``around`` every unary and server-streaming call."""
+    """An interceptor that runs every unary and server-streaming call inside ``_around``."""
+
+    def _around(self, method: str, context: Context) -> AbstractAsyncContextManager[None]:
+        raise NotImplementedError
 
     async def intercept_service(self, continuation: Continuation,
                                 details: grpc.HandlerCallDetails) -> Handler | None:
@@ -41,47 +45,40 @@ class _Wrapping(grpc.aio.ServerInterceptor):
         method = details.method.rsplit("/", 1)[-1]
         # The stubs type the behaviours as synchronous; on an aio server they are coroutines.
         if handler.unary_unary is not None:
+            unary = cast(Unary, handler.unary_unary)
+
+            async def call(request: Any, context: Context) -> Any:
+                reply = None
+                async with self._around(method, context):
+                    reply = await unary(request, context)
+                return reply
+
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, cast(Unary, handler.unary_unary)),
-                request_deserializer=handler.request_deserializer,
+                call, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
+            streaming = cast(Streaming, handler.unary_stream)
+
+            async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+                async with self._around(method, context):
+                    async for item in streaming(request, context):
+                        yield item
+
             return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, cast(Streaming, handler.unary_stream)),
-                request_deserializer=handler.request_deserializer,
+                stream, request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler
-
-    def _unary(self, method: str, behaviour: Unary) -> Unary:
-        raise NotImplementedError
-
-    def _streaming(self, method: str, behaviour: Streaming) -> Streaming:
-        raise NotImplementedError
 
 
 class ErrorMapping(_Wrapping):
     """Typed errors abort with their rich status; anything else is INTERNAL and logged."""
 
-    def _unary(self, method: str, behaviour: Unary) -> Unary:
-        async def call(request: Any, context: Context) -> Any:
-            try:
-                return await behaviour(request, context)
-            except KvxferError as exc:
-                await _abort(context, exc)
-            except Exception as exc:  # noqa: BLE001 - a bug; the daemon keeps serving
-                await _abort(context, _internal(method, exc))
-        return call
-
-    def _streaming(self, method: str, behaviour: Streaming) -> Streaming:
-        async def call(request: Any, context: Context) -> AsyncIterator[Any]:
-            try:
-                async for item in behaviour(request, context):
-                    yield item
-            except KvxferError as exc:
-                await _abort(context, exc)
-            except Exception as exc:  # noqa: BLE001 - a bug; the daemon keeps serving
-                await _abort(context, _internal(method, exc))
-        return call
+    @asynccontextmanager
+    async def _around(self, method: str, context: Context) -> AsyncIterator[None]:
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - mapped; the daemon keeps serving
+            await _abort(context, method, exc)
 
 
 class RpcMetrics(_Wrapping):
@@ -90,27 +87,14 @@ class RpcMetrics(_Wrapping):
     def __init__(self, metrics: DaemonMetrics) -> None:
         self._rpcs = metrics.rpcs
 
-    def _unary(self, method: str, behaviour: Unary) -> Unary:
-        async def call(request: Any, context: Context) -> Any:
-            try:
-                reply = await behaviour(request, context)
-            except BaseException:
-                self._count(method, context, failed=True)
-                raise
-            self._count(method, context, failed=False)
-            return reply
-        return call
-
-    def _streaming(self, method: str, behaviour: Streaming) -> Streaming:
-        async def call(request: Any, context: Context) -> AsyncIterator[Any]:
-            try:
-                async for item in behaviour(request, context):
-                    yield item
-            except BaseException:
-                self._count(method, context, failed=True)
-                raise
-            self._count(method, context, failed=False)
-        return call
+    @asynccontextmanager
+    async def _around(self, method: str, context: Context) -> AsyncIterator[None]:
+        try:
+            yield
+        except BaseException:
+            self._count(method, context, failed=True)
+            raise
+        self._count(method, context, failed=False)
 
     def _count(self, method: str, context: Context, *, failed: bool) -> None:
         code = context.code()
@@ -121,12 +105,16 @@ class RpcMetrics(_Wrapping):
         self._rpcs.labels(method, name).inc()
 
 
-def _internal(method: str, exc: Exception) -> InternalError:
-    log.error("%s failed unexpectedly", method, exc_info=exc)
-    return InternalError(f"internal error in {method}: {type(exc).__name__}: {exc}")
-
-
-async def _abort(context: Context, error: KvxferError) -> None:
+async def _abort(context: Context, method: str, exc: Exception) -> None:
+    """End the call with ``exc``'s rich status; an exception that is no kvxfer error is a
+    bug: INTERNAL, logged with its traceback."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc  # the handler aborted the call itself: its status stands
+    if isinstance(exc, KvxferError):
+        error = exc
+    else:
+        log.error("%s failed unexpectedly", method, exc_info=exc)
+        error = InternalError(f"internal error in {method}: {type(exc).__name__}: {exc}")
     status = to_rpc_status(error)
     await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -56,6 +58,7 @@ CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 1),
     ("grpc.service_config", SERVICE_CONFIG),
 ]
+T = TypeVar("T")
 #: The least time a call is given, so that a call made at its deadline still says why it failed.
 MIN_CALL_S = 0.1
 
@@ -73,12 +76,17 @@ class PeerClient:
         self._stub = pb_grpc.KvxferPeerStub(channel)
         self._prefix = f"peer {address}: "
 
+    async def _call(self, rpc: Callable[..., Awaitable[T]], request: Any, timeout: float,
+                    what: str = "") -> T:
+        try:
+            return await rpc(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, f"{self._prefix}{what}") from None
+
     async def handshake(self, hello: DaemonHello, deadline: float) -> DaemonHello:
         """Open a session: tell the peer who we are; its answer says who it is."""
-        try:
-            reply = await self._stub.Handshake(hello_to_request(hello), timeout=time_left(deadline))
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, f"{self._prefix}handshake failed: ") from None
+        reply = await self._call(self._stub.Handshake, hello_to_request(hello), time_left(deadline),
+                                 "handshake failed: ")
         return hello_from_response(reply)
 
     def watch(self, session_id: str) -> grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.Heartbeat]:
@@ -91,34 +99,22 @@ class PeerClient:
         The call may take until the transfer's deadline (the peer waits for the
         matching expect), plus a moment so that the peer's own deadline error arrives.
         """
-        try:
-            reply = await self._stub.Claim(claim_to_proto(claim), timeout=time_left(deadline, 0.5))
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self._prefix) from None
+        reply = await self._call(self._stub.Claim, claim_to_proto(claim), time_left(deadline, 0.5))
         return grant_from_proto(reply)
 
     async def commit(self, commit: Commit, deadline: float) -> TransferInfo:
         """Hand over the checksums; the peer's final status of the transfer."""
-        try:
-            reply = await self._stub.Commit(commit_to_proto(commit), timeout=time_left(deadline, 0.5))
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self._prefix) from None
+        reply = await self._call(self._stub.Commit, commit_to_proto(commit), time_left(deadline, 0.5))
         return info_from_proto(reply)
 
     async def request_push(self, request: PushRequest, deadline: float) -> None:
         """Ask the peer to push an offered transfer to us."""
-        try:
-            await self._stub.RequestPush(push_request_to_proto(request),
-                                         timeout=time_left(deadline, 0.5))
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self._prefix) from None
+        await self._call(self._stub.RequestPush, push_request_to_proto(request),
+                         time_left(deadline, 0.5))
 
     async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:
         """Tell the peer a transfer ended here."""
-        try:
-            await self._stub.AbortTransfer(abort_to_proto(abort), timeout=timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self._prefix) from None
+        await self._call(self._stub.AbortTransfer, abort_to_proto(abort), timeout_s)
 
 
 class PeerClients:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from fake_transport import FakeNetwork
+from grpc_health.v1 import health_pb2
 from inprocess import DaemonThread
 
 import kvxfer.errors as errors
@@ -97,3 +100,23 @@ def test_roles_and_states_are_the_proto_enums() -> None:
         prefix = proto.DESCRIPTOR.name.upper().replace("TRANSFER", "TRANSFER_") + "_"
         named = {name.removeprefix(prefix): value for name, value in proto.items() if value}
         assert {m.name: m.value for m in enum} == named
+
+
+def test_a_handler_that_aborts_with_its_own_status_keeps_it(daemon, caplog: pytest.LogCaptureFixture) -> None:
+    """The standard health service aborts with NOT_FOUND for a service it does not know: no
+    kvxfer error, and no bug either."""
+    _, side, client = daemon
+    with grpc.insecure_channel(client.address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check",
+                                    request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        with pytest.raises(grpc.RpcError) as raised:
+            check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    # The call is counted once the daemon finished handling it, error mapping included.
+    metrics = side.daemon.metrics.registry
+    deadline = time.monotonic() + 5
+    while not metrics.get_sample_value("kvxfer_rpcs_total", {"method": "Check", "code": "NOT_FOUND"}):
+        assert time.monotonic() < deadline, "the health check was never counted"
+        time.sleep(0.01)
+    assert "failed unexpectedly" not in caplog.text

@@ -62,8 +62,36 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _TokenPaged:
+    """What MHA and MLA pools share: pages of ``page_size`` token slots, one dtype."""
+
+    dtype: str
+    page_size: int
+    num_pages: int
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot across all layers."""
+        raise NotImplementedError
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: ``page_size`` slots of every layer."""
+        return self.page_size * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.num_pages * self.page_bytes
+
+    @property
+    def alignment(self) -> int:
+        """The byte alignment the pool's anchor must have."""
+        return itemsize(self.dtype)
+
+
 @dataclass(frozen=True)
-class MhaSpec:
+class MhaSpec(_TokenPaged):
     """Multi-head (GQA) attention KV: per layer a K and a V row per token slot."""
 
     layer_num: int
@@ -95,21 +123,6 @@ class MhaSpec:
     def slot_bytes(self) -> int:
         """Bytes of one token slot across all layers, K and V."""
         return self.layer_num * (self.k_row_bytes + self.v_row_bytes)
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page: ``page_size`` slots of every layer."""
-        return self.page_size * self.slot_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the whole pool."""
-        return self.num_pages * self.page_bytes
-
-    @property
-    def alignment(self) -> int:
-        """The byte alignment the pool's anchor must have."""
-        return itemsize(self.dtype)
 
     def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
         """Per-layer K and V views, in layer order (K0, V0, K1, V1, ...)."""
@@ -143,7 +156,7 @@ class MhaSpec:
 
 
 @dataclass(frozen=True)
-class MlaSpec:
+class MlaSpec(_TokenPaged):
     """DeepSeek-style compressed KV: one latent row (kv_lora_rank + rope dim) per token per layer.
 
     Laid out exactly as an MHA pool with one head of ``kv_lora_rank +
@@ -179,21 +192,6 @@ class MlaSpec:
     def slot_bytes(self) -> int:
         """Bytes of one token slot across all layers."""
         return self.layer_num * self.row_bytes
-
-    @property
-    def page_bytes(self) -> int:
-        """Bytes of one page: ``page_size`` slots of every layer."""
-        return self.page_size * self.slot_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the whole pool."""
-        return self.num_pages * self.page_bytes
-
-    @property
-    def alignment(self) -> int:
-        """The byte alignment the pool's anchor must have."""
-        return itemsize(self.dtype)
 
     def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
         """Per-layer latent views ``(num_pages, page_size, 1, latent_dim)``."""

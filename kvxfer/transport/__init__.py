@@ -3,6 +3,7 @@
 - ``protocol``: ``Transport``, ``Batch`` and ``Connection``, what the state machine uses;
 - ``engine``: ``UcxEngine``, one UCX worker driven by one thread;
 - ``batches``: one transfer's sends or receives as the engine tracks them;
+- ``owners``: the endpoints receives are posted through, so that they can be cancelled;
 - ``lanes``: ``UcxLanes``, several engines side by side (the daemon's ``Transport``);
 - ``ucx_settings``: UCX defaults, and the environment that keeps UCX on loopback.
 """

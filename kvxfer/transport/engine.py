@@ -16,10 +16,8 @@ Messages travel in batches (``kvxfer.transport.batches``), one per transfer and
 direction; per message the caller's thread does no work at all, which keeps
 thousands of small pages (page_size 1) from costing an event-loop wakeup each.
 Sends to one peer share one byte window, taking turns. Receives are posted
-through an *owner*: an endpoint to this worker's own address, lent to one batch
-(ucxx tracks the requests posted through an endpoint and cancels them when it
-closes). Failing a batch closes its owner, which cancels its unmatched receives
-with ucxx's own API; owners of batches that completed go back to a pool.
+through an owner endpoint lent to their batch alone (``kvxfer.transport.owners``),
+so failing a batch cancels exactly its unmatched receives.
 
 Data only ever flows from an endpoint's creator to the listener's owner. Tags
 are chosen by the receiver, unique for its lifetime, so a late message of one
@@ -50,14 +48,13 @@ from kvxfer.transport.batches import (
     SendBatch,
     settle,
 )
+from kvxfer.transport.owners import ReceiveOwners
 from kvxfer.transport.protocol import Message
 from kvxfer.transport.ucx_settings import apply_ucx_defaults
 
 log = logging.getLogger("kvxfer.transport")
 
 T = TypeVar("T")
-#: Idle receive owners kept for reuse; creating one costs 0.1-0.3 ms here.
-OWNER_POOL = 64
 #: Longest pause after the progress loop failed repeatedly (it backs off, never spins).
 MAX_BACKOFF_S = 1.0
 
@@ -85,7 +82,6 @@ class UcxEngine:
         self._send_queue: deque[SendBatch] = deque()  # sends with messages not yet posted, in turn
         self._endpoints: dict[int, Any] = {}
         self._accepted: list[Any] = []
-        self._idle_owners: list[Any] = []
         self._abandoned: list[MessageBatch] = []  # failed; some requests not yet complete
         self._posted = 0
         self._dead: list[Any] = []
@@ -189,7 +185,7 @@ class UcxEngine:
             self._context = api.UCXContext(feature_flags=(api.Feature.TAG, api.Feature.WAKEUP))
             self._worker = api.UCXWorker(self._context)
             self._worker.init_blocking_progress_mode()
-            self._address = self._worker.address
+            self._owners = ReceiveOwners(api, self._worker, self._error_handling)
             self._listener = api.UCXListener.create(
                 worker=self._worker, port=port, cb_func=self._on_connect
             )
@@ -251,18 +247,13 @@ class UcxEngine:
             return
         self._receives.append(batch)
         try:
-            batch.owner = self._idle_owners.pop() if self._idle_owners else self._new_owner()
+            batch.owner = self._owners.lend()
         except Exception as exc:  # noqa: BLE001 - delivered to the waiter
             self._fail(batch, PeerUnavailableError(f"UCX cannot post receives: {exc}"))
             return
         while not batch.all_posted and self._post_next(batch):
             pass
         self._settle_if_finished(batch)
-
-    def _new_owner(self) -> Any:
-        """An endpoint to this worker itself: receives posted through it are its requests."""
-        return self._api.UCXEndpoint.create_from_worker_address(
-            self._worker, self._address, self._error_handling)
 
     def _post_next(self, batch: MessageBatch) -> bool:
         """Post the batch's next message; False if UCX refused it (the batch has failed)."""
@@ -334,18 +325,11 @@ class UcxEngine:
         else:
             assert isinstance(batch, ReceiveBatch)
             self._receives.remove(batch)
-            self._return_owner(batch)
+            owner, batch.owner = batch.owner, None
+            if owner is not None:
+                self._owners.give_back(owner)
         batch.messages = []
         settle(batch.future)
-
-    def _return_owner(self, batch: ReceiveBatch) -> None:
-        owner, batch.owner = batch.owner, None
-        if owner is None:
-            return
-        if len(self._idle_owners) < OWNER_POOL:
-            self._idle_owners.append(owner)
-        else:
-            owner.close_blocking(0, 10)
 
     def _fail(self, batch: MessageBatch, error: BaseException) -> None:
         if isinstance(batch, SendBatch) and batch in self._sends:
@@ -353,11 +337,10 @@ class UcxEngine:
         if isinstance(batch, ReceiveBatch) and batch in self._receives:
             self._receives.remove(batch)
             if batch.owner is not None:
-                # Closing the owner cancels its unmatched receives; a message UCX already
-                # matched still completes (within the sender's window). The cancelled and
-                # the matched requests are retired by _reap_abandoned.
+                # Its unmatched receives are cancelled; a message UCX already matched still
+                # completes (within the sender's window). Both are retired by _reap_abandoned.
                 owner, batch.owner = batch.owner, None
-                owner.close_blocking(0, 10)
+                self._owners.cancel(owner)
         if batch.posted and batch not in self._abandoned:
             self._abandoned.append(batch)
         batch.messages = batch.messages[: batch.next]
@@ -410,9 +393,7 @@ class UcxEngine:
     def _shutdown(self) -> None:
         for batch in [*self._sends, *self._receives]:
             self._fail(batch, PeerUnavailableError("the UCX engine is shutting down"))
-        for owner in self._idle_owners:
-            owner.close_blocking(0, 10)
-        self._idle_owners.clear()
+        self._owners.close()
         for number in list(self._endpoints):
             self._close_ep(number)
         # Let UCX notice peers that already closed or died, so that _close_if_alive
