@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,7 +202,19 @@ async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
         await daemon.stop()
 
 
+#: The GIL switch interval of a ``kvxfer serve`` process. A UCX thread polling its sends holds
+#: the GIL between polls; with Python's default 5 ms the asyncio thread waited up to 2.2 ms at
+#: p99 to answer a Claim, 0.24 ms at 0.2 ms. In 5 alternated runs of 20 back-to-back 256 MiB
+#: transfers (tcp) the daemons moved 2.38 GB/s (median) with it and 2.18 without.
+SWITCH_INTERVAL_S = 0.0002
+
+
 def run(config: DaemonConfig, ready_file: str | None = None) -> int:
-    """Entry point for ``kvxfer serve``: run the daemon, return the exit code."""
+    """Entry point for ``kvxfer serve``: run the daemon, return the exit code.
+
+    The process is the daemon's own, so the GIL switch interval is set here (never by
+    ``Daemon``, which may run inside someone else's process).
+    """
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     asyncio.run(serve(config, ready_file))
     return 0

@@ -12,6 +12,8 @@ import pytest
 
 from kvxfer.transport import LOOPBACK_ENV
 
+pytestmark = pytest.mark.slow  # see the README's Tests section
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 #: Whether madvise(MADV_HUGEPAGE) gets anonymous memory huge pages here ("[never]" otherwise).

@@ -29,6 +29,7 @@ def test_every_command_explains_itself_with_an_example(command: str) -> None:
     assert "example:" in out.stdout and f"kvxfer {command}" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_spawn_json_numbers_are_consistent() -> None:
     out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "8", "--run-length", "1-4",
                  "--transfers", "6", "--concurrency", "2", "--verify", "--json")
@@ -42,6 +43,7 @@ def test_bench_spawn_json_numbers_are_consistent() -> None:
     assert r["gbps_per_transfer_min"] <= r["gbps_per_transfer_median"] <= r["gbps_per_transfer_max"]
 
 
+@pytest.mark.slow
 def test_bench_pull_mode() -> None:
     out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--run-length", "1-2",
                  "--transfers", "3", "--mode", "pull", "--verify", "--json")
@@ -60,6 +62,7 @@ def test_bench_exits_nonzero_and_counts_errors_when_transfers_fail(spawn) -> Non
     assert r["transfers"] == 0 and r["errors"] == {"UNAVAILABLE": 2}
 
 
+@pytest.mark.slow
 def test_demo_exits_zero() -> None:
     out = kvxfer("demo")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -82,6 +85,7 @@ def test_operations_against_a_daemon(spawn) -> None:
     assert transfers == []
 
 
+@pytest.mark.slow
 def test_bench_spawns_its_daemons_in_the_given_shm_dir(tmp_path) -> None:
     shm_dir = tmp_path / "shm"
     missing = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--transfers", "1",

@@ -7,6 +7,8 @@ import pytest
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.examples.disagg import PROMPTS, compare, daemon_config, reference, run_disaggregated
 
+pytestmark = pytest.mark.slow  # see the README's Tests section
+
 NEW_TOKENS = 8
 
 

@@ -26,6 +26,8 @@ from pool_checks import assert_moved, fill_random, standard_runs
 from kvxfer.client import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 
+pytestmark = pytest.mark.slow  # see the README's Tests section
+
 POOL = "name=kv,preset=llama8b,num_pages=128"
 
 

@@ -85,7 +85,7 @@ async def the_sender_aborts_mid_transfer(sender: Side, receiver: Side, network: 
     network.hold()
     before = receiver.raw.clone()
     await push(sender, receiver, "ok")
-    await until(lambda: receiver.transfers.registry.get("ok").state == T, what="the claim")
+    await until(lambda: sender.transfers.registry.get("ok").state == T, what="the sends")
     sender.transfers.abort("ok", "prefill gave up")
     sent, got = await sender.final("ok"), await receiver.final("ok")
     assert isinstance(sent.failure, TransferAbortedError)
@@ -116,7 +116,7 @@ async def nobody_sends_before_the_deadline(sender: Side, receiver: Side,
 async def the_bytes_do_not_arrive_before_the_deadline(sender: Side, receiver: Side,
                                                       network: FakeNetwork) -> None:
     network.hold()
-    await push(sender, receiver, "ok", timeout_s=0.5)
+    await push(sender, receiver, "ok", timeout_s=1.0)
     sent, got = await sender.final("ok"), await receiver.final("ok")
     assert isinstance(sent.failure, TransferDeadlineError)
     assert isinstance(got.failure, TransferDeadlineError) and "(it was TRANSFERRING)" in got.error
