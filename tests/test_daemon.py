@@ -119,17 +119,21 @@ def test_sigterm_exits_zero_and_leaves_no_shared_memory(spawn) -> None:
     assert not shm.exists() and not sock.exists()
 
 
-def test_a_killed_daemons_shared_memory_is_removed_by_the_next_daemon(spawn) -> None:
-    a = spawn("a", [TINY])
+def test_a_killed_daemons_shared_memory_is_removed_by_the_next_daemon(spawn, tmp_path: Path) -> None:
+    # A directory of their own: another test's daemon starting in /dev/shm meanwhile would
+    # sweep the killed daemon's file before daemon c could.
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    a = spawn("a", [TINY], shm_dir=str(shm_dir))
     with KvxferClient(a.worker_address) as kv:
         _, memory = kv.describe("kv")
     shm = Path(memory.shm.path)
-    spawn("b", [TINY])
+    spawn("b", [TINY], shm_dir=str(shm_dir))
     assert shm.exists(), "a live daemon's arena must survive another daemon's start-up sweep"
     a.process.kill()
     a.process.wait(10)
     assert shm.exists()  # SIGKILL: the daemon had no chance to unlink it
-    c = spawn("c", [TINY])
+    c = spawn("c", [TINY], shm_dir=str(shm_dir))
     assert not shm.exists()
     assert "left by a daemon that died" in c.log()
 
