@@ -38,16 +38,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_pools(args: argparse.Namespace) -> int:
     with _client(args) as kv:
         pools = kv.pools()
+        leased = kv.leased_pages()
+        leases = kv.leases() if args.leases else []
     if args.json:
-        print(json.dumps([_descriptor_dict(d, m) for d, m in pools], indent=2))
+        out: Any = [{**_descriptor_dict(d, m), "leased_pages": leased[d.name],
+                     "free_pages": d.num_pages - leased[d.name]} for d, m in pools]
+        if args.leases:
+            out = {"pools": out, "leases": [
+                {"lease_id": x.lease_id, "pool": x.pool, "runs": x.runs.pairs(),
+                 "pages": x.runs.num_pages, "expires_in_s": round(x.expires_in_s, 3),
+                 "holder": x.holder} for x in leases]}
+        print(json.dumps(out, indent=2))
         return 0
     table = Table(title=f"pools at {args.address}")
-    for col in ("pool", "kind", "device", "pages", "page_bytes", "anchor", "arena"):
+    for col in ("pool", "kind", "device", "pages", "free", "leased", "page_bytes", "anchor", "arena"):
         table.add_column(col)
     for d, m in pools:
-        table.add_row(d.name, d.kind.value, m.device, str(d.num_pages), str(d.page_bytes),
+        table.add_row(d.name, d.kind.value, m.device, str(d.num_pages),
+                      str(d.num_pages - leased[d.name]), str(leased[d.name]), str(d.page_bytes),
                       str(d.layout.anchor_bytes), m.arena)
     console.print(table)
+    if args.leases:
+        lease_table = Table(title="leases")
+        for col in ("lease", "pool", "pages", "runs", "expires in", "holder"):
+            lease_table.add_column(col)
+        for x in leases:
+            lease_table.add_row(x.lease_id, x.pool, str(x.runs.num_pages), str(x.runs.pairs())[:60],
+                                f"{x.expires_in_s:.1f} s", x.holder)
+        console.print(lease_table)
     return 0
 
 
@@ -121,7 +139,7 @@ EXAMPLES = {
     "serve": "kvxfer serve --pool kv=llama8b --peer-address 0.0.0.0:7500 \\\n"
              "      --advertise-address $(hostname -i):7500 --ucx-host $(hostname -i)\n"
              "  kvxfer serve --config /etc/kvxfer/daemon.yaml",
-    "pools": "kvxfer pools --address unix:///run/kvxfer/kvxfer.sock",
+    "pools": "kvxfer pools --address unix:///run/kvxfer/kvxfer.sock --leases",
     "describe": "kvxfer describe kv --json",
     "health": "kvxfer health --address 127.0.0.1:7501",
     "transfers": "kvxfer transfers --json",
@@ -171,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s.set_defaults(settings=CliSettingsSource(DaemonConfig, root_parser=s))
 
+    pools = add("pools", "List the pools a daemon serves, with their free and leased pages.",
+                cmd_pools)
+    pools.add_argument("--leases", action="store_true", help="also list every live page lease")
+    add_daemon_flags(pools)
     for name, help_, func in (
-        ("pools", "List the pools a daemon serves.", cmd_pools),
         ("health", "Ask a daemon for its health (exit 0 when SERVING).", cmd_health),
         ("transfers", "List a daemon's in-flight and recent transfers.", cmd_transfers),
     ):

@@ -28,19 +28,24 @@ from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.status import TransferInfo
+from kvxfer.status import Completions, LeaseInfo, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
     descriptor_from_proto,
     extents_from_proto,
     info_from_proto,
+    lease_from_proto,
     memory_from_proto,
     runs_to_proto,
 )
 from kvxfer.wire.status import from_rpc_error
 
 T = TypeVar("T")
+
+
+def _lease(lease_id: str, release_lease: bool) -> pb.LeaseUse:
+    return pb.LeaseUse(lease_id=lease_id, release_lease=release_lease)
 
 
 class AttachedPool:
@@ -137,31 +142,40 @@ class KvxferClient:
     # -- transfers --------------------------------------------------------------------
 
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
-               timeout_s: float = 0.0) -> TransferInfo:
-        """Register destination pages for ``transfer_id`` (decode side)."""
+               timeout_s: float = 0.0, *, lease_id: str = "",
+               release_lease: bool = False) -> TransferInfo:
+        """Register destination pages for ``transfer_id`` (decode side). With ``lease_id``
+        the pages must be the lease's, and ``release_lease`` ends the lease with the transfer."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
-                               dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
+                               dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
+                               lease=_lease(lease_id, release_lease))
         return info_from_proto(self._call(self._stub.Expect, req))
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
-             timeout_s: float = 0.0, verify: bool = False) -> TransferInfo:
+             timeout_s: float = 0.0, verify: bool = False, *, lease_id: str = "",
+             release_lease: bool = False) -> TransferInfo:
         """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side)."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
-                             peer=peer, timeout_s=timeout_s, verify=verify)
+                             peer=peer, timeout_s=timeout_s, verify=verify,
+                             lease=_lease(lease_id, release_lease))
         return info_from_proto(self._call(self._stub.Push, req))
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
-              verify: bool = False) -> TransferInfo:
+              verify: bool = False, *, lease_id: str = "",
+              release_lease: bool = False) -> TransferInfo:
         """Make ``src_runs`` available for a peer's pull (prefill side)."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
-                              timeout_s=timeout_s, verify=verify)
+                              timeout_s=timeout_s, verify=verify,
+                              lease=_lease(lease_id, release_lease))
         return info_from_proto(self._call(self._stub.Offer, req))
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
-             timeout_s: float = 0.0) -> TransferInfo:
+             timeout_s: float = 0.0, *, lease_id: str = "",
+             release_lease: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side)."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
-                             dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s)
+                             dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
+                             lease=_lease(lease_id, release_lease))
         return info_from_proto(self._call(self._stub.Pull, req))
 
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:
@@ -178,6 +192,46 @@ class KvxferClient:
         """In-flight and recent transfers, oldest first."""
         reply = self._call(self._stub.ListTransfers, pb.ListTransfersRequest())
         return [info_from_proto(t) for t in reply.transfers]
+
+    def completions(self, after: int = 0, timeout_s: float = 0.0) -> Completions:
+        """Every transfer that ended after cursor ``after`` (0: the oldest the daemon keeps),
+        waiting up to ``timeout_s`` for one; pass the returned cursor next time."""
+        reply = self._call(self._stub.Completions,
+                           pb.CompletionsRequest(after=after, timeout_s=timeout_s),
+                           timeout=timeout_s + self.timeout_s)
+        return Completions([info_from_proto(t) for t in reply.transfers], reply.cursor,
+                           reply.missed)
+
+    # -- page leases ----------------------------------------------------------------------
+
+    def allocate(self, pool: str, pages: int, lease_s: float = 0.0, holder: str = "") -> LeaseInfo:
+        """Lease ``pages`` free pages of ``pool`` (for ``lease_s`` seconds; 0: the daemon's
+        default); PoolExhaustedError if too few are free."""
+        req = pb.AllocateRequest(pool=pool, pages=pages, lease_s=lease_s, holder=holder)
+        return lease_from_proto(self._call(self._stub.Allocate, req))
+
+    def release(self, lease_id: str) -> None:
+        """End a lease now (its pages are free again; transfers still using it fail)."""
+        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
+
+    def renew(self, lease_id: str, lease_s: float = 0.0) -> LeaseInfo:
+        """Push a lease's expiry ``lease_s`` seconds from now (0: the daemon's default)."""
+        return lease_from_proto(self._call(self._stub.Renew,
+                                           pb.RenewRequest(lease_id=lease_id, lease_s=lease_s)))
+
+    def leases(self) -> list[LeaseInfo]:
+        """Every live lease, oldest first."""
+        reply = self._call(self._stub.ListLeases, pb.ListLeasesRequest())
+        return [lease_from_proto(lease) for lease in reply.leases]
+
+    def leased_pages(self) -> dict[str, int]:
+        """Pages under a lease, by pool."""
+        reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
+        return {p.descriptor.name: p.leased_pages for p in reply.pools}
+
+    def peer_address(self) -> str:
+        """Where this daemon serves its peers (what a decode daemon's ``pull`` names)."""
+        return self._call(self._stub.Info, pb.DaemonInfoRequest()).peer_address
 
     def close(self) -> None:
         """Close the channel."""

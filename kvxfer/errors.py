@@ -77,6 +77,18 @@ class IntegrityError(KvxferError, code="DATA_LOSS", reason="INTEGRITY_CHECK_FAIL
     """Bytes arrived but their checksum does not match what the sender computed."""
 
 
+class PoolExhaustedError(KvxferError, code="RESOURCE_EXHAUSTED", reason="POOL_EXHAUSTED"):
+    """A pool has fewer free pages than a lease asks for."""
+
+
+class LeaseNotFoundError(KvxferError, LookupError, code="NOT_FOUND", reason="LEASE_NOT_FOUND"):
+    """No lease of that id is held here (never granted, released, or expired)."""
+
+
+class LeaseExpiredError(KvxferError, code="FAILED_PRECONDITION", reason="LEASE_EXPIRED"):
+    """The lease whose pages a transfer uses ended before the transfer did."""
+
+
 #: Every concrete error type, by its wire reason (the wire codec's lookup table).
 ERROR_TYPES: dict[str, type[KvxferError]] = {
     cls.reason: cls
@@ -84,6 +96,6 @@ ERROR_TYPES: dict[str, type[KvxferError]] = {
         InternalError, InvalidSpecError, InvalidRangeError, PageOutOfRangeError,
         IncompatibleLayoutError, AttachError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
-        IntegrityError,
+        IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,
     )
 }

@@ -1,4 +1,4 @@
-"""What a transfer is doing: its role on a daemon, its state, and one side's status.
+"""What a daemon reports: a transfer's role, state and status; a page lease; the completions.
 
 The numbers of ``TransferRole`` and ``TransferState`` are the proto enums'
 (``kvxfer.v1.TransferRole`` / ``TransferState``): each member is defined as its
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import KvxferError
+from kvxfer.pages import PageRuns
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 
@@ -85,3 +86,27 @@ class TransferInfo:
         out["error_code"], out["error"] = self.error_code, self.error
         out["error_type"] = type(self.failure).__name__ if self.failure is not None else ""
         return out
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """Pages a daemon leased to a holder: which, and for how much longer."""
+
+    lease_id: str
+    pool: str
+    runs: PageRuns
+    expires_in_s: float
+    holder: str
+
+
+@dataclass(frozen=True)
+class Completions:
+    """The transfers that ended since a cursor, in order, and the cursor to ask from next.
+
+    ``missed`` says some ended after the old cursor but the daemon no longer keeps them
+    (or it restarted): the caller should ``wait`` for the transfers it still tracks.
+    """
+
+    transfers: list[TransferInfo]
+    cursor: int
+    missed: bool

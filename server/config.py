@@ -197,6 +197,8 @@ class DaemonConfig(BaseSettings):
                                         ABOVE_ZERO, gt=0)
     grace_s: float = _setting(5.0, "seconds running transfers get to finish at shutdown",
                               "0 or more seconds", ge=0)
+    lease_s: float = _setting(60.0, "how long a page lease lasts when its holder names no "
+                                    "duration (it can renew or release it sooner)", ABOVE_ZERO, gt=0)
     retain_transfers: int = _setting(
         1024, "finished transfers remembered for wait and transfers", ABOVE_ZERO, gt=0)
     shm_dir: str = _setting(

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.server.config import DaemonConfig
 from kvxfer.server.interceptors import ErrorMapping, RpcMetrics
+from kvxfer.server.leases import PageLeases
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.pools import PoolRegistry
@@ -136,15 +137,17 @@ class Daemon:
         identity = DaemonIdentity(advertise, {d.name: d for d in self.pools.descriptors()},
                                   config.ucx_error_handling)
         self.sessions = Sessions(transport, self._clients, identity, config.heartbeat_s)
-        registry = TransferRegistry(self.pools, transport, self.metrics,
+        leases = PageLeases(self.pools, config.lease_s)
+        registry = TransferRegistry(self.pools, leases, transport, self.metrics,
                                     default_timeout_s=config.default_timeout_s,
                                     retain=config.retain_transfers)
         sender = Sender(registry, self.sessions, transport, chunk_bytes=config.chunk_bytes,
                         window_bytes=config.window_bytes)
         receiver = Receiver(registry, self.sessions, self._clients, transport,
                             peer_address=advertise, chunk_bytes=config.chunk_bytes)
-        self.transfers = TransferCoordinator(registry, sender, receiver, self._clients,
+        self.transfers = TransferCoordinator(registry, leases, sender, receiver, self._clients,
                                              peer_address=advertise)
+        self.transfers.start()
         sessions = self.sessions
         self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count)
         pb_grpc.add_KvxferServicer_to_server(WorkerService(self.pools, self.transfers),

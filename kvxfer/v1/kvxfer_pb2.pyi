@@ -566,6 +566,9 @@ class PoolInfo(_message.Message):
 
     DESCRIPTOR_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
+    LEASED_PAGES_FIELD_NUMBER: _builtins.int
+    leased_pages: _builtins.int
+    """pages under a lease (see Allocate); the rest are free to lease"""
     @_builtins.property
     def descriptor(self) -> Global___PoolDescriptor: ...
     @_builtins.property
@@ -575,10 +578,11 @@ class PoolInfo(_message.Message):
         *,
         descriptor: Global___PoolDescriptor | None = ...,
         memory: Global___MemoryHandle | None = ...,
+        leased_pages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "memory", b"memory"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["descriptor", b"descriptor", "leased_pages", b"leased_pages", "memory", b"memory"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -674,6 +678,33 @@ class DescribePagesResponse(_message.Message):
 Global___DescribePagesResponse: _TypeAlias = DescribePagesResponse  # noqa: Y015
 
 @_typing.final
+class LeaseUse(_message.Message):
+    """Every transfer verb may name a lease (see Allocate): its runs must then lie in the
+    lease's pages, the transfer fails if the lease ends first, and with release_lease
+    the daemon releases the lease when the transfer ends, however it ends.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    RELEASE_LEASE_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    release_lease: _builtins.bool
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        release_lease: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "release_lease", b"release_lease"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaseUse: _TypeAlias = LeaseUse  # noqa: Y015
+
+@_typing.final
 class ExpectRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -681,12 +712,15 @@ class ExpectRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     DST_RUNS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     """the whole transfer's deadline, from now"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    @_builtins.property
+    def lease(self) -> Global___LeaseUse: ...
     def __init__(
         self,
         *,
@@ -694,10 +728,11 @@ class ExpectRequest(_message.Message):
         pool: _builtins.str = ...,
         dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
         timeout_s: _builtins.float = ...,
+        lease: Global___LeaseUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -713,6 +748,7 @@ class PushRequest(_message.Message):
     PEER_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     peer: _builtins.str
@@ -722,6 +758,8 @@ class PushRequest(_message.Message):
     """per-extent checksums, checked by the receiver"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    @_builtins.property
+    def lease(self) -> Global___LeaseUse: ...
     def __init__(
         self,
         *,
@@ -731,10 +769,11 @@ class PushRequest(_message.Message):
         peer: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
         verify: _builtins.bool = ...,
+        lease: Global___LeaseUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -749,12 +788,15 @@ class OfferRequest(_message.Message):
     SRC_RUNS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     verify: _builtins.bool
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    @_builtins.property
+    def lease(self) -> Global___LeaseUse: ...
     def __init__(
         self,
         *,
@@ -763,10 +805,11 @@ class OfferRequest(_message.Message):
         src_runs: _abc.Iterable[Global___PageRun] | None = ...,
         timeout_s: _builtins.float = ...,
         verify: _builtins.bool = ...,
+        lease: Global___LeaseUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -781,6 +824,7 @@ class PullRequest(_message.Message):
     POOL_FIELD_NUMBER: _builtins.int
     DST_RUNS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
@@ -788,6 +832,8 @@ class PullRequest(_message.Message):
     timeout_s: _builtins.float
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    @_builtins.property
+    def lease(self) -> Global___LeaseUse: ...
     def __init__(
         self,
         *,
@@ -796,10 +842,11 @@ class PullRequest(_message.Message):
         pool: _builtins.str = ...,
         dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
         timeout_s: _builtins.float = ...,
+        lease: Global___LeaseUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "peer", b"peer", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -884,6 +931,261 @@ class ListTransfersResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListTransfersResponse: _TypeAlias = ListTransfersResponse  # noqa: Y015
+
+@_typing.final
+class CompletionsRequest(_message.Message):
+    """Every transfer that ended since a cursor, for engines that poll once per step."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    after: _builtins.int
+    """the cursor an earlier answer gave (0: from the oldest retained)"""
+    timeout_s: _builtins.float
+    """wait up to this long for at least one (0: answer at once)"""
+    def __init__(
+        self,
+        *,
+        after: _builtins.int = ...,
+        timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompletionsRequest: _TypeAlias = CompletionsRequest  # noqa: Y015
+
+@_typing.final
+class CompletionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFERS_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    MISSED_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    """pass as `after` next time"""
+    missed: _builtins.bool
+    """some ended after `after` but are no longer retained"""
+    @_builtins.property
+    def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferStatus]:
+        """final states, in the order the transfers ended"""
+
+    def __init__(
+        self,
+        *,
+        transfers: _abc.Iterable[Global___TransferStatus] | None = ...,
+        cursor: _builtins.int = ...,
+        missed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "missed", b"missed", "transfers", b"transfers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompletionsResponse: _TypeAlias = CompletionsResponse  # noqa: Y015
+
+@_typing.final
+class AllocateRequest(_message.Message):
+    """---------------------------------------------------------------- page leases
+
+    Pages handed out by the daemon, so that several workers sharing it never pick
+    the same ones. A lease ends when released, or when it expires: its pages are
+    free again and the transfers that use it fail.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    pages: _builtins.int
+    lease_s: _builtins.float
+    """until it expires unless renewed (0: the daemon's default)"""
+    holder: _builtins.str
+    """who holds it (shown by kvxfer pools --leases)"""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        pages: _builtins.int = ...,
+        lease_s: _builtins.float = ...,
+        holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["holder", b"holder", "lease_s", b"lease_s", "pages", b"pages", "pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllocateRequest: _TypeAlias = AllocateRequest  # noqa: Y015
+
+@_typing.final
+class Lease(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
+    RUNS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
+    HOLDER_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    pool: _builtins.str
+    expires_in_s: _builtins.float
+    holder: _builtins.str
+    @_builtins.property
+    def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        pool: _builtins.str = ...,
+        runs: _abc.Iterable[Global___PageRun] | None = ...,
+        expires_in_s: _builtins.float = ...,
+        holder: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_s", b"expires_in_s", "holder", b"holder", "lease_id", b"lease_id", "pool", b"pool", "runs", b"runs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Lease: _TypeAlias = Lease  # noqa: Y015
+
+@_typing.final
+class ReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class RenewRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    lease_id: _builtins.str
+    lease_s: _builtins.float
+    """from now (0: the daemon's default)"""
+    def __init__(
+        self,
+        *,
+        lease_id: _builtins.str = ...,
+        lease_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "lease_s", b"lease_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenewRequest: _TypeAlias = RenewRequest  # noqa: Y015
+
+@_typing.final
+class ListLeasesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLeasesRequest: _TypeAlias = ListLeasesRequest  # noqa: Y015
+
+@_typing.final
+class ListLeasesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Lease]: ...
+    def __init__(
+        self,
+        *,
+        leases: _abc.Iterable[Global___Lease] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leases", b"leases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListLeasesResponse: _TypeAlias = ListLeasesResponse  # noqa: Y015
+
+@_typing.final
+class DaemonInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DaemonInfoRequest: _TypeAlias = DaemonInfoRequest  # noqa: Y015
+
+@_typing.final
+class DaemonInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    peer_address: _builtins.str
+    """what peers dial: the address to put in a pull's `peer`"""
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_address", b"peer_address", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DaemonInfo: _TypeAlias = DaemonInfo  # noqa: Y015
 
 @_typing.final
 class HandshakeRequest(_message.Message):

@@ -84,6 +84,36 @@ class KvxferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersResponse.FromString,
                 _registered_method=True)
+        self.Completions = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/Completions',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsResponse.FromString,
+                _registered_method=True)
+        self.Allocate = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/Allocate',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.Lease.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/Release',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/Renew',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.RenewRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.Lease.FromString,
+                _registered_method=True)
+        self.ListLeases = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/ListLeases',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesResponse.FromString,
+                _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/Info',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.FromString,
+                _registered_method=True)
 
 
 class KvxferServicer:
@@ -149,6 +179,42 @@ class KvxferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Completions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Allocate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLeases(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Info(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvxferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +267,36 @@ def add_KvxferServicer_to_server(servicer, server):
                     servicer.ListTransfers,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersResponse.SerializeToString,
+            ),
+            'Completions': grpc.unary_unary_rpc_method_handler(
+                    servicer.Completions,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsResponse.SerializeToString,
+            ),
+            'Allocate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Allocate,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.AllocateRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.Lease.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.RenewRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.Lease.SerializeToString,
+            ),
+            'ListLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLeases,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +569,168 @@ class Kvxfer:
             '/kvxfer.v1.Kvxfer/ListTransfers',
             kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.ListTransfersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Completions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/Completions',
+            kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.CompletionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Allocate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/Allocate',
+            kvxfer_dot_v1_dot_kvxfer__pb2.AllocateRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/Release',
+            kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/Renew',
+            kvxfer_dot_v1_dot_kvxfer__pb2.RenewRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.Lease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/ListLeases',
+            kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.ListLeasesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/Info',
+            kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,12 @@ class KvxferStub:
     Wait: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]
     Abort: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]
+    Completions: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]
+    Allocate: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AllocateRequest, _kvxfer_pb2.Lease]
+    Release: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ReleaseRequest, _kvxfer_pb2.ReleaseResponse]
+    Renew: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]
+    ListLeases: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]
+    Info: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]
 
 @_typing.type_check_only
 class KvxferAsyncStub(KvxferStub):
@@ -63,6 +69,12 @@ class KvxferAsyncStub(KvxferStub):
     Wait: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     ListTransfers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]  # type: ignore[assignment]
+    Completions: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]  # type: ignore[assignment]
+    Allocate: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AllocateRequest, _kvxfer_pb2.Lease]  # type: ignore[assignment]
+    Release: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ReleaseRequest, _kvxfer_pb2.ReleaseResponse]  # type: ignore[assignment]
+    Renew: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]  # type: ignore[assignment]
+    ListLeases: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]  # type: ignore[assignment]
+    Info: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]  # type: ignore[assignment]
 
 class KvxferServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -134,6 +146,48 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         request: _kvxfer_pb2.ListTransfersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.ListTransfersResponse, _abc.Awaitable[_kvxfer_pb2.ListTransfersResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Completions(
+        self,
+        request: _kvxfer_pb2.CompletionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.CompletionsResponse, _abc.Awaitable[_kvxfer_pb2.CompletionsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Allocate(
+        self,
+        request: _kvxfer_pb2.AllocateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]: ...
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _kvxfer_pb2.ReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.ReleaseResponse, _abc.Awaitable[_kvxfer_pb2.ReleaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Renew(
+        self,
+        request: _kvxfer_pb2.RenewRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]: ...
+
+    @_abc_1.abstractmethod
+    def ListLeases(
+        self,
+        request: _kvxfer_pb2.ListLeasesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.ListLeasesResponse, _abc.Awaitable[_kvxfer_pb2.ListLeasesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Info(
+        self,
+        request: _kvxfer_pb2.DaemonInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.DaemonInfo, _abc.Awaitable[_kvxfer_pb2.DaemonInfo]]: ...
 
 def add_KvxferServicer_to_server(servicer: KvxferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -16,7 +16,7 @@ from kvxfer.errors import InvalidSpecError
 from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolLayout, PoolSpec, ViewRole, ViewSpec
 from kvxfer.memory import CudaIpcHandle, MemoryHandle, SharedMemoryHandle
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.status import TransferInfo, TransferRole, TransferState
+from kvxfer.status import LeaseInfo, TransferInfo, TransferRole, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.status import from_status, to_status
 
@@ -176,6 +176,22 @@ def memory_from_proto(msg: pb.MemoryHandle) -> MemoryHandle:
                              c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
                              c.event_sync_required)
     return MemoryHandle(msg.arena, msg.device, msg.size_bytes, shm=shm, cuda=cuda)
+
+
+# -- page leases --------------------------------------------------------------------------
+
+
+def lease_to_proto(lease_id: str, pool: str, runs: PageRuns, expires_in_s: float,
+                   holder: str) -> pb.Lease:
+    """A page lease as its message."""
+    return pb.Lease(lease_id=lease_id, pool=pool, runs=runs_to_proto(runs),
+                    expires_in_s=expires_in_s, holder=holder)
+
+
+def lease_from_proto(msg: pb.Lease) -> LeaseInfo:
+    """A lease from its message."""
+    return LeaseInfo(msg.lease_id, msg.pool, runs_from_proto(msg.runs), msg.expires_in_s,
+                     msg.holder)
 
 
 # -- transfer status ---------------------------------------------------------------------

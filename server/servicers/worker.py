@@ -1,4 +1,5 @@
-"""The worker API (``kvxfer.v1.Kvxfer``): pools, descriptors, attach handles, transfer verbs."""
+"""The worker API (``kvxfer.v1.Kvxfer``): pools, descriptors, attach handles, page leases,
+transfer verbs and completions."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ from typing import Any
 
 import grpc
 
+import kvxfer
+from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
-from kvxfer.server.transfers.coordinator import TransferCoordinator
+from kvxfer.server.transfers.coordinator import LeaseUse, TransferCoordinator
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
     descriptor_to_proto,
     extents_to_proto,
     info_to_proto,
+    lease_to_proto,
     memory_to_proto,
     runs_from_proto,
 )
@@ -21,9 +25,12 @@ from kvxfer.wire.codec import (
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def _pool_info(pool: Pool) -> pb.PoolInfo:
-    return pb.PoolInfo(descriptor=descriptor_to_proto(pool.descriptor),
-                       memory=memory_to_proto(pool.arena.handle))
+def _lease(msg: pb.LeaseUse) -> LeaseUse:
+    return LeaseUse(msg.lease_id, msg.release_lease)
+
+
+def _lease_to_proto(lease: Lease) -> pb.Lease:
+    return lease_to_proto(lease.id, lease.pool, lease.runs, lease.expires_in(), lease.holder)
 
 
 class WorkerService(pb_grpc.KvxferServicer):
@@ -32,12 +39,21 @@ class WorkerService(pb_grpc.KvxferServicer):
     def __init__(self, pools: PoolRegistry, transfers: TransferCoordinator) -> None:
         self._pools = pools
         self._transfers = transfers
+        self._leases: PageLeases = transfers.leases
+
+    def _pool_info(self, pool: Pool) -> pb.PoolInfo:
+        return pb.PoolInfo(descriptor=descriptor_to_proto(pool.descriptor),
+                           memory=memory_to_proto(pool.arena.handle),
+                           leased_pages=self._leases.leased_pages(pool.name))
+
+    async def Info(self, request: pb.DaemonInfoRequest, context: Context) -> pb.DaemonInfo:
+        return pb.DaemonInfo(version=kvxfer.__version__, peer_address=self._transfers.peer_address)
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Context) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(pools=[_pool_info(p) for p in self._pools.all()])
+        return pb.ListPoolsResponse(pools=[self._pool_info(p) for p in self._pools.all()])
 
     async def DescribePool(self, request: pb.DescribePoolRequest, context: Context) -> pb.PoolInfo:
-        return _pool_info(self._pools.get(request.pool))
+        return self._pool_info(self._pools.get(request.pool))
 
     async def DescribePages(self, request: pb.DescribePagesRequest,
                             context: Context) -> pb.DescribePagesResponse:
@@ -48,24 +64,26 @@ class WorkerService(pb_grpc.KvxferServicer):
 
     async def Expect(self, request: pb.ExpectRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.expect(request.transfer_id, request.pool,
-                                   runs_from_proto(request.dst_runs), request.timeout_s)
+                                   runs_from_proto(request.dst_runs), request.timeout_s,
+                                   _lease(request.lease))
         return info_to_proto(t.info())
 
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.push(request.transfer_id, request.pool,
                                  runs_from_proto(request.src_runs), request.peer,
-                                 request.timeout_s, request.verify)
+                                 request.timeout_s, request.verify, _lease(request.lease))
         return info_to_proto(t.info())
 
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.offer(request.transfer_id, request.pool,
                                   runs_from_proto(request.src_runs), request.timeout_s,
-                                  request.verify)
+                                  request.verify, _lease(request.lease))
         return info_to_proto(t.info())
 
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
-                                 runs_from_proto(request.dst_runs), request.timeout_s)
+                                 runs_from_proto(request.dst_runs), request.timeout_s,
+                                 _lease(request.lease))
         return info_to_proto(t.info())
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:
@@ -79,3 +97,24 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def ListTransfers(self, request: pb.ListTransfersRequest,
                             context: Context) -> pb.ListTransfersResponse:
         return pb.ListTransfersResponse(transfers=[info_to_proto(i) for i in self._transfers.all()])
+
+    async def Completions(self, request: pb.CompletionsRequest,
+                          context: Context) -> pb.CompletionsResponse:
+        ended, cursor, missed = await self._transfers.completions(request.after, request.timeout_s)
+        return pb.CompletionsResponse(transfers=[info_to_proto(i) for i in ended], cursor=cursor,
+                                      missed=missed)
+
+    async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.Lease:
+        lease = self._leases.allocate(request.pool, request.pages, request.lease_s, request.holder)
+        return _lease_to_proto(lease)
+
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
+        self._leases.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    async def Renew(self, request: pb.RenewRequest, context: Context) -> pb.Lease:
+        return _lease_to_proto(self._leases.renew(request.lease_id, request.lease_s))
+
+    async def ListLeases(self, request: pb.ListLeasesRequest,
+                         context: Context) -> pb.ListLeasesResponse:
+        return pb.ListLeasesResponse(leases=[_lease_to_proto(lease) for lease in self._leases.all()])

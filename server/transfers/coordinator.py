@@ -1,9 +1,10 @@
 """The verbs workers and peers call, routed to the registry, the sender and the receiver.
 
 The coordinator owns what is common to both roles: a transfer's deadline (a
-timer that ends it with DEADLINE_EXCEEDED), ending a transfer on the other side
-too (an abort, a deadline, a shutdown tell the peer), and the shutdown itself.
-Background work it starts (telling a peer) is tracked and awaited at shutdown.
+timer that ends it with DEADLINE_EXCEEDED), a transfer's lease (when the lease
+ends first, the transfer fails), ending a transfer on the other side too (an
+abort, a deadline, a shutdown tell the peer), and the shutdown itself.
+Background work it starts is tracked and awaited or cancelled at shutdown.
 """
 
 from __future__ import annotations
@@ -11,16 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
+    LeaseExpiredError,
     PeerUnavailableError,
     TransferAbortedError,
     TransferDeadlineError,
 )
 from kvxfer.pages import PageRuns
+from kvxfer.server.leases import PageLeases
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
 from kvxfer.server.transfers.receiver import Receiver
@@ -33,51 +37,80 @@ log = logging.getLogger("kvxfer.server.transfers")
 
 #: How long telling a peer that a transfer ended may take.
 TELL_PEER_S = 2.0
+#: The longest a completions call may wait.
+MAX_POLL_S = 60.0
+
+
+@dataclass(frozen=True)
+class LeaseUse:
+    """The lease a transfer's pages belong to (see ``kvxfer.server.leases``), if any."""
+
+    lease_id: str = ""
+    release_lease: bool = False
+
+
+NO_LEASE = LeaseUse()
 
 
 class TransferCoordinator:
     """Every transfer verb of this daemon, for its workers and its peers."""
 
-    def __init__(self, registry: TransferRegistry, sender: Sender, receiver: Receiver,
-                 clients: PeerClients, *, peer_address: str) -> None:
+    def __init__(self, registry: TransferRegistry, leases: PageLeases, sender: Sender,
+                 receiver: Receiver, clients: PeerClients, *, peer_address: str) -> None:
         self.registry = registry
+        self.leases = leases
         self._sender = sender
         self._receiver = receiver
         self._clients = clients
         self.peer_address = peer_address
         self._background: set[asyncio.Task[None]] = set()
+        self._lease_watch: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start failing the transfers whose lease ends before they do."""
+        self._lease_watch = asyncio.create_task(self._watch_leases(), name="lease endings")
+
+    async def _watch_leases(self) -> None:
+        async for lease, why in self.leases.ended():
+            for t in self.registry.all():
+                if t.lease_id == lease.id and not t.state.final:
+                    self.registry.finish(t, LeaseExpiredError(
+                        f"transfer {t.id!r} lost its pages: lease {lease.id} of pool "
+                        f"{lease.pool!r} {why} before it ended"))
+                    self._tell_peer(t, f"its lease {why}")
 
     # -- worker verbs ----------------------------------------------------------------------
 
-    def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns, timeout_s: float) -> Transfer:
+    def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns, timeout_s: float,
+               lease: LeaseUse = NO_LEASE) -> Transfer:
         """Register destination pages for ``transfer_id`` (decode side)."""
         return self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                              disjoint=True)
+                              disjoint=True, lease=lease)
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
-             timeout_s: float, verify: bool) -> Transfer:
+             timeout_s: float, verify: bool, lease: LeaseUse = NO_LEASE) -> Transfer:
         """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side)."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the decode daemon's host:port")
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
-                           verify=verify, peer=peer, disjoint=False)
+                           verify=verify, peer=peer, disjoint=False, lease=lease)
         if not t.state.final:
             self._sender.start(t)
         return t
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float,
-              verify: bool) -> Transfer:
+              verify: bool, lease: LeaseUse = NO_LEASE) -> Transfer:
         """Make source pages available for a peer's ``pull`` (prefill side)."""
         return self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
-                              verify=verify, disjoint=False)
+                              verify=verify, disjoint=False, lease=lease)
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
-             timeout_s: float) -> Transfer:
+             timeout_s: float, lease: LeaseUse = NO_LEASE) -> Transfer:
         """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side)."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                           peer=peer, disjoint=True)
+                           peer=peer, disjoint=True, lease=lease)
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -107,11 +140,20 @@ class TransferCoordinator:
         """Every transfer still remembered, oldest first."""
         return [t.info() for t in self.registry.all()]
 
+    async def completions(self, after: int, timeout_s: float) -> tuple[list[TransferInfo], int, bool]:
+        """The transfers that ended after cursor ``after`` (waiting up to ``timeout_s`` for
+        one), the next cursor, and whether some were no longer retained."""
+        if not 0 <= timeout_s <= MAX_POLL_S:
+            raise InvalidRangeError(f"timeout_s={timeout_s}; expected 0 to {MAX_POLL_S:g} seconds")
+        ended, cursor, missed = await self.registry.completions.since(after, timeout_s)
+        return [t.info() for t in ended], cursor, missed
+
     def _register(self, transfer_id: str, role: TransferRole, pool: str, runs: PageRuns,
                   timeout_s: float, *, verify: bool = False, peer: str = "",
-                  disjoint: bool) -> Transfer:
+                  disjoint: bool, lease: LeaseUse) -> Transfer:
         t = self.registry.register(transfer_id, role, pool, runs, timeout_s, verify=verify,
-                                   peer=peer, disjoint=disjoint)
+                                   peer=peer, disjoint=disjoint, lease_id=lease.lease_id,
+                                   release_lease=lease.release_lease)
         if not t.state.final:
             t.timer = asyncio.get_running_loop().call_later(t.timeout_s, self._expire, t)
         return t
@@ -184,5 +226,7 @@ class TransferCoordinator:
                 self.registry.finish(t, PeerUnavailableError(
                     f"daemon {self.peer_address} shut down"))
                 self._tell_peer(t, "peer daemon shut down")
+        if self._lease_watch is not None:
+            self._lease_watch.cancel()
         if self._background:
             await asyncio.wait(self._background, timeout=TELL_PEER_S + 0.5)

@@ -63,6 +63,8 @@ class Transfer:
     verify: bool = False
     peer: str = ""
     session_id: str = ""
+    lease_id: str = ""
+    release_lease: bool = False
     state: TransferState = TransferState.WAITING
     history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
     created_unix: float = field(default_factory=time.time)

@@ -5,9 +5,10 @@
 for the Expect, a RequestPush for the Offer), with one waiter per id and role,
 so a registration wakes only the calls that wait for it. ``finish`` is the one
 place a transfer ends: it releases what the transfer holds (its deadline
-timer, its task, its UCX requests) and counts it. Finished transfers are kept
-for ``retain`` registrations more, so a late ``wait`` or ``transfers`` still
-sees how they ended.
+timer, its task, its UCX requests, its lease if it was to end with it), counts
+it and logs it for ``completions``. Finished transfers are kept for ``retain``
+registrations more, so a late ``wait`` or ``transfers`` still sees how they
+ended.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from kvxfer.errors import (
     TransferNotFoundError,
 )
 from kvxfer.pages import PageRuns
+from kvxfer.server.leases import PageLeases
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.pools import PoolRegistry
+from kvxfer.server.transfers.completions import CompletionLog
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import TransferRole
 from kvxfer.transport import Transport
@@ -40,9 +43,11 @@ log = logging.getLogger("kvxfer.server.transfers")
 class TransferRegistry:
     """Registers, finds, pairs up and ends this daemon's transfers."""
 
-    def __init__(self, pools: PoolRegistry, transport: Transport, metrics: DaemonMetrics, *,
-                 default_timeout_s: float, retain: int) -> None:
+    def __init__(self, pools: PoolRegistry, leases: PageLeases, transport: Transport,
+                 metrics: DaemonMetrics, *, default_timeout_s: float, retain: int) -> None:
         self._pools = pools
+        self._leases = leases
+        self.completions = CompletionLog(retain)
         self._transport = transport
         self._metrics = metrics
         self.default_timeout_s = default_timeout_s
@@ -70,10 +75,11 @@ class TransferRegistry:
         return list(self._transfers.values())
 
     def register(self, transfer_id: str, role: TransferRole, pool_name: str, runs: PageRuns,
-                 timeout_s: float, *, verify: bool = False, peer: str = "",
-                 disjoint: bool) -> Transfer:
+                 timeout_s: float, *, verify: bool = False, peer: str = "", disjoint: bool,
+                 lease_id: str = "", release_lease: bool = False) -> Transfer:
         """Record a new transfer (``timeout_s`` 0: the default); it may end at once if the
-        peer already aborted it. Raises for a bad request, a busy id, or while shutting down."""
+        peer already aborted it. With ``lease_id`` its runs must lie in that lease of the
+        same pool. Raises for a bad request, a busy id, or while shutting down."""
         if not self.accepting:
             raise PeerUnavailableError("this daemon is shutting down; no new transfers")
         if not transfer_id:
@@ -84,6 +90,14 @@ class TransferRegistry:
         runs.check_bounds(pool.descriptor.num_pages, what=f"pool {pool_name!r} pages")
         if disjoint:
             runs.check_disjoint()
+        if lease_id:
+            lease = self._leases.get(lease_id)
+            if lease.pool != pool_name or not lease.covers(runs):
+                raise InvalidRangeError(
+                    f"runs {runs.pairs()} of pool {pool_name!r} are not all pages of lease "
+                    f"{lease_id} (pool {lease.pool!r}, runs {lease.runs.pairs()})")
+        elif release_lease:
+            raise InvalidRangeError("release_lease needs a lease_id")
         old = self._transfers.get(transfer_id)
         if old is not None and not old.state.final:
             raise TransferExistsError(
@@ -91,7 +105,7 @@ class TransferRegistry:
                 f"{old.role.name}; wait for it or abort it first")
         timeout = timeout_s or self.default_timeout_s
         t = Transfer(transfer_id, role, pool, runs, timeout, time.monotonic() + timeout,
-                     verify=verify, peer=peer)
+                     verify=verify, peer=peer, lease_id=lease_id, release_lease=release_lease)
         self._transfers.pop(transfer_id, None)
         self._transfers[transfer_id] = t
         self._metrics.active.labels(role.name.lower()).inc()
@@ -146,6 +160,9 @@ class TransferRegistry:
             t.task.cancel()
         if t.batch is not None and error is not None:
             self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
+        if t.release_lease and self._leases.held(t.lease_id):
+            self._leases.release(t.lease_id, f"its transfer {t.id!r} ended")
+        self.completions.record(t)
         role = t.role.name.lower()
         self._metrics.active.labels(role).dec()
         self._metrics.transfers.labels(role, t.state.name.lower()).inc()
