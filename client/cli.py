@@ -135,6 +135,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_vllm(args: argparse.Namespace) -> int:
+    from kvxfer.client.integrations.vllm.command import run_vllm
+
+    return run_vllm(args)
+
+
 EXAMPLES = {
     "serve": "kvxfer serve --pool kv=llama8b --peer-address 0.0.0.0:7500 \\\n"
              "      --advertise-address $(hostname -i):7500 --ucx-host $(hostname -i)\n"
@@ -147,6 +153,7 @@ EXAMPLES = {
              "  kvxfer bench --prefill unix:///run/a.sock --decode unix:///run/b.sock "
              "--decode-peer 10.0.0.2:7500 --json",
     "demo": "kvxfer demo\n  kvxfer demo --model hybrid",
+    "vllm": ".venv-vllm/bin/kvxfer vllm\n  .venv-vllm/bin/kvxfer vllm --model /models/llama --pages 4096 --port 9000",
 }
 
 
@@ -210,6 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                         cmd_bench))
     add_demo_flags(add("demo", "Start a prefill and a decode daemon on loopback, move KV pages "
                                "through them, check them, and summarize.", cmd_demo))
+    from kvxfer.client.integrations.vllm.command import add_vllm_flags
+
+    add_vllm_flags(add("vllm", "Serve a model disaggregated on this machine: two daemons, a prefill "
+                               "and a decode vLLM engine with KvxferConnector, and an "
+                               "OpenAI-compatible proxy, until Ctrl-C (needs vLLM).", cmd_vllm))
     return parser
 
 

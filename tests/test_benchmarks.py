@@ -20,10 +20,13 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_ENABLED = THP.exists() and "[never]" not in THP.read_text()
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 240) -> dict:
+VLLM_PYTHON = BENCHMARKS.parent / ".venv-vllm" / "bin" / "python"
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 240, python: str = sys.executable) -> dict:
     """Run ``benchmarks/script`` on loopback and parse the JSON it prints last."""
     env = {**os.environ, **LOOPBACK_ENV}
-    out = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], cwd=BENCHMARKS,
+    out = subprocess.run([python, str(BENCHMARKS / script), *args], cwd=BENCHMARKS,
                          env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout[out.stdout.index("{"):])
@@ -42,7 +45,6 @@ def test_kernel_copy_measures_each_path_and_mode(path: str) -> None:
             assert got["dst_huge_page_share"] > 0.5, "perftest's kind of memory is huge pages"
 
 
-
 @pytest.mark.parametrize("eh, transport", [("on", "tcp"), ("off", "cma")])
 def test_engine_bandwidth_moves_and_checks_the_bytes(eh: str, transport: str) -> None:
     got = run_benchmark("engine_bandwidth.py", "--eh", eh, "--rounds", "1", "--per-round", "1",
@@ -57,3 +59,19 @@ def test_transfer_latency_reports_every_case() -> None:
     got = run_benchmark("transfer_latency.py", "--rounds", "1", "--per-round", "1", "--json")
     for case in ("pages1_verify_off", "pages1_verify_on", "pages16_verify_off", "pages16_verify_on"):
         assert got[f"{case}_ms_median"] > got["grpc_health_ms_median"] > 0
+
+
+@pytest.mark.timeout(600)
+def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
+    if not VLLM_PYTHON.exists():
+        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
+        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    got = run_benchmark("vllm_disagg.py", "--rounds", "1", "--lengths", "32,96", "--new-tokens", "4",
+                        "--json", timeout=500, python=str(VLLM_PYTHON))
+    for row in got["by_prompt_tokens"].values():
+        assert row["single_ttft_ms"] > 0 and row["disaggregated_total_ms"] > 0
+    assert [r["pages"] for r in got["requests"]] == [1, 3]
+    assert all(r["bytes"] == r["pages"] * 32768 and r["copy_in_ms"] > 0 and r["copy_out_ms"] > 0
+               for r in got["requests"])

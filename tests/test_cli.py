@@ -22,7 +22,8 @@ def kvxfer(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
                           text=True, timeout=timeout, env=ENV)
 
 
-@pytest.mark.parametrize("command", ["serve", "pools", "describe", "health", "transfers", "bench", "demo"])
+@pytest.mark.parametrize("command", ["serve", "pools", "describe", "health", "transfers", "bench", "demo",
+                                     "vllm"])
 def test_every_command_explains_itself_with_an_example(command: str) -> None:
     out = kvxfer(command, "--help", timeout=60)
     assert out.returncode == 0

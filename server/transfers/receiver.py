@@ -44,7 +44,8 @@ from kvxfer.transport import Batch, Transport
 
 log = logging.getLogger("kvxfer.server.transfers")
 
-#: Set on a receiving daemon (tests only) to flip one byte of every transfer it receives.
+#: Tests only: set on a receiving daemon to flip the first byte of every transfer it receives
+#: ("1"), or of those whose id contains the value.
 FAULT_CORRUPT_ENV = "KVXFER_FAULT_CORRUPT_RECEIVED"
 
 
@@ -60,7 +61,7 @@ class Receiver:
         self._peer_address = peer_address
         self._chunk_bytes = chunk_bytes
         self._tags = TagAllocator()
-        self._corrupt = os.environ.get(FAULT_CORRUPT_ENV) == "1"
+        self._corrupt = os.environ.get(FAULT_CORRUPT_ENV, "")
 
     async def claim(self, claim: Claim, wait_s: float) -> ClaimGrant:
         """A sender asks where ``claim.transfer_id`` goes; post the receives and answer."""
@@ -109,7 +110,7 @@ class Receiver:
         try:
             await session.guard(asyncio.wrap_future(batch.future))
             t.data_finished = time.monotonic()
-            if self._corrupt:
+            if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
                 t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
             if not t.verify:
                 self._registry.finish(t)  # every byte is in place; no Commit will come

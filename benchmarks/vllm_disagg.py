@@ -1,0 +1,126 @@
+"""Disaggregated vLLM through kvxfer against one vLLM engine, the same prompts, in one run.
+
+usage: .venv-vllm/bin/python benchmarks/vllm_disagg.py [--rounds 3] [--json]
+
+Starts a single-engine baseline and a disaggregated deployment (two kvxfer
+daemons, a prefill and a decode engine with KvxferConnector, the proxy) side by
+side, then in each round sends every prompt, streamed, one at a time, to the
+baseline and to the proxy in turn (the order alternates round by round, since
+these machines are noisy). Prints, per prompt length: time to first token and
+total latency of both (medians over rounds) and their ratio; and per
+disaggregated request, from the connector's records: the transfer time as the
+decode engine saw it, the daemon's own transfer time, the copy-out (prefill
+blocks to daemon pages) and copy-in (daemon pages to decode blocks) times and
+the bytes moved. Needs the vLLM environment (./scripts/setup-vllm.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.tiny_model import build, prompt
+
+
+def stream(http: Any, model: str, text: str, request_id: str, new_tokens: int) -> tuple[float, float]:
+    """Seconds to the first streamed token, and to the end."""
+    body = {"model": model, "prompt": text, "max_tokens": new_tokens, "temperature": 0,
+            "stream": True}
+    start = time.perf_counter()
+    first = 0.0
+    with http.stream("POST", "/v1/completions", json=body,
+                     headers={"X-Request-Id": request_id}) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: {") and not first:
+                first = time.perf_counter() - start
+    return first, time.perf_counter() - start
+
+
+def ms(values: list[float]) -> float:
+    return round(statistics.median(values) * 1e3, 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every prompt (default 3)")
+    parser.add_argument("--lengths", default="32,128,512,1000",
+                        help="prompt lengths in tokens, comma-separated (default 32,128,512,1000)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated (default 16)")
+    parser.add_argument("--model", help="a model directory (default: build the tiny test model)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-bench-"))
+    model = args.model or str(build(str(workdir / "model")))
+    times: dict[str, dict[int, dict[str, list[float]]]] = {
+        kind: {n: {"ttft": [], "total": []} for n in lengths} for kind in ("single", "disaggregated")}
+    baseline = VllmServer("baseline", model, workdir, max_model_len=2048).spawn()
+    try:
+        with Disaggregation(model, workdir, num_pages=2048) as d:
+            baseline.wait_ready()
+            with baseline.client() as single, d.client() as disagg:
+                for n in lengths:  # warm-up: first requests pay one-time costs
+                    stream(single, model, prompt(0, n), f"warm-s-{n}", args.new_tokens)
+                    stream(disagg, model, prompt(0, n), f"warm-d-{n}", args.new_tokens)
+                for r in range(args.rounds):
+                    order = [("single", single), ("disaggregated", disagg)]
+                    for n in lengths:
+                        for kind, http in order if r % 2 == 0 else order[::-1]:
+                            first, total = stream(http, model, prompt(1000 * r + n, n),
+                                                  f"bench-{kind[0]}-{r}-{n}", args.new_tokens)
+                            times[kind][n]["ttft"].append(first)
+                            times[kind][n]["total"].append(total)
+            stats = {side: [json.loads(x) for x in (workdir / f"{side}-stats.jsonl").read_text().splitlines()]
+                     for side in ("prefill", "decode")}
+    finally:
+        baseline.stop()
+    copy_out = {s["transfer_id"]: s for s in stats["prefill"]}
+    per_request = []
+    for s in stats["decode"]:
+        if "-bench-d-" not in s["transfer_id"] or not s.get("ok"):
+            continue
+        out = copy_out.get(s["transfer_id"], {})
+        per_request.append({"request": s["req_id"], "pages": s["pages"], "bytes": s["bytes"],
+                            "transfer_ms": round(s["transfer_s"] * 1e3, 2),
+                            "daemon_transfer_ms": round(s["daemon_s"] * 1e3, 2),
+                            "copy_out_ms": round(out.get("copy_s", 0.0) * 1e3, 3),
+                            "copy_in_ms": round(s["copy_s"] * 1e3, 3)})
+    result: dict[str, Any] = {"model": model, "rounds": args.rounds, "new_tokens": args.new_tokens,
+                              "by_prompt_tokens": {}, "requests": per_request}
+    for n in lengths:
+        single, disagg = times["single"][n], times["disaggregated"][n]
+        result["by_prompt_tokens"][n] = {
+            "single_ttft_ms": ms(single["ttft"]), "disaggregated_ttft_ms": ms(disagg["ttft"]),
+            "single_total_ms": ms(single["total"]), "disaggregated_total_ms": ms(disagg["total"]),
+            "ttft_ratio": round(statistics.median(disagg["ttft"]) / statistics.median(single["ttft"]), 2),
+            "total_ratio": round(statistics.median(disagg["total"]) / statistics.median(single["total"]), 2),
+        }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"model {model}, {args.rounds} rounds, {args.new_tokens} new tokens; medians in ms")
+    print(f"{'prompt tokens':>13} {'TTFT single':>12} {'TTFT disagg':>12} {'ratio':>6} "
+          f"{'total single':>13} {'total disagg':>13} {'ratio':>6}")
+    for n, row in result["by_prompt_tokens"].items():
+        print(f"{n:>13} {row['single_ttft_ms']:>12} {row['disaggregated_ttft_ms']:>12} "
+              f"{row['ttft_ratio']:>6} {row['single_total_ms']:>13} "
+              f"{row['disaggregated_total_ms']:>13} {row['total_ratio']:>6}")
+    print(f"\n{'request':>44} {'pages':>5} {'bytes':>9} {'transfer':>9} {'daemon':>7} "
+          f"{'copy-out':>9} {'copy-in':>8}")
+    for x in per_request:
+        print(f"{x['request'][-44:]:>44} {x['pages']:>5} {x['bytes']:>9} {x['transfer_ms']:>9} "
+              f"{x['daemon_transfer_ms']:>7} {x['copy_out_ms']:>9} {x['copy_in_ms']:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

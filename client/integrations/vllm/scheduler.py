@@ -1,0 +1,158 @@
+"""The connector's scheduler half: which requests hand off KV, which load it, and when.
+
+Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``): in
+the step in which its prompt finishes, the scheduler leases pages for all its
+prompt blocks from the local daemon and tells the worker to save the blocks
+there (``Save``). The lease is taken here, not in the worker, because
+``request_finished`` (the same step) must already know whether the KV will be
+there: if the lease failed, the response carries no remote prefill and the
+decode engine computes the prompt itself. vLLM frees the request's blocks at
+once: the daemon holds the KV from then on.
+
+Decode (``do_remote_prefill`` with kvxfer params): the prompt's tokens beyond a
+local prefix-cache hit are an asynchronous external hit; once vLLM has
+allocated blocks for them, the worker pulls the transfer into leased pages of
+its own daemon and copies them into those blocks (``Load``). A layout that
+differs from the prefill engine's is refused there, naming the difference, and
+fails like any load (``kv_load_failure_policy`` decides: recompute or fail).
+A request that ends while its load is pending is cancelled in the next plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.protocol import (
+    Load,
+    RemotePrefill,
+    Save,
+    StepPlan,
+    wants_remote_decode,
+)
+from kvxfer.client.integrations.vllm.settings import ConnectorSettings
+from kvxfer.client.library import KvxferClient
+from kvxfer.errors import KvxferError
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+#: vLLM's statuses of a request that ended normally (anything else was aborted).
+FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+class SchedulerSide:
+    """Plans saves (prefill) and loads (decode) step by step."""
+
+    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str, *,
+                 producer: bool, consumer: bool, client: KvxferClient | None) -> None:
+        self._settings = settings
+        self._layout = layout
+        self._engine_id = engine_id
+        self._producer, self._consumer = producer, consumer
+        self._client = client
+        self._peer = client.peer_address() if client is not None and producer else ""
+        self._to_save: dict[str, Any] = {}       # req id -> vLLM Request
+        self._saved: dict[str, Save] = {}
+        self._local_computed: dict[str, int] = {}
+        self._new_loads: list[Load] = []
+        self._loading: set[str] = set()
+        self._cancels: list[str] = []
+
+    # -- decode --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens a remote prefill holds beyond the local hit: loaded asynchronously."""
+        remote = RemotePrefill.from_params(request.kv_transfer_params) if self._consumer else None
+        if remote is None:
+            return 0, False
+        count = remote.num_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._local_computed[request.request_id] = num_computed_tokens
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks are allocated: plan the save (prefill) or the load (decode) of ``request``."""
+        params = request.kv_transfer_params
+        if self._producer and wants_remote_decode(params):
+            self._to_save[request.request_id] = request
+            return
+        remote = RemotePrefill.from_params(params) if self._consumer else None
+        if remote is None:
+            return
+        params["do_remote_prefill"] = False  # one transfer per request, however often we are called
+        local = self._local_computed.pop(request.request_id, 0)
+        if num_external_tokens <= 0:
+            return
+        block_size = self._layout.block_size
+        num_pages = math.ceil(remote.num_tokens / block_size)
+        first = local // block_size
+        differences = self._layout.differences(remote.layout)
+        refused = ""
+        if differences:
+            refused = (f"the prefill engine's block layout differs from ours: "
+                       f"{'; '.join(differences)}")
+            log.error("request %s: refusing transfer %s: %s", request.request_id,
+                      remote.transfer_id, refused)
+        self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
+                                    num_pages, first, tuple(block_ids[first:num_pages]), refused))
+        self._loading.add(request.request_id)
+
+    def finished_loading(self, req_ids: set[str]) -> None:
+        """The worker reported these loads finished (or failed)."""
+        self._loading -= req_ids
+
+    # -- every step ------------------------------------------------------------------------
+
+    def build_plan(self, scheduled: dict[str, tuple[int, int]],
+                   block_ids_of: Callable[[str], list[int]]) -> StepPlan:
+        """This step's plan; ``scheduled`` gives each scheduled request's (computed tokens,
+        tokens scheduled now)."""
+        plan = StepPlan(loads=self._new_loads, cancels=self._cancels)
+        self._new_loads, self._cancels = [], []
+        for req_id, request in list(self._to_save.items()):
+            if req_id not in scheduled:
+                continue
+            computed, now = scheduled[req_id]
+            num_tokens = request.num_prompt_tokens
+            if computed + now < num_tokens:
+                continue  # its prompt finishes in a later step (chunked prefill)
+            del self._to_save[req_id]
+            save = self._lease(request, block_ids_of(req_id))
+            if save is not None:
+                self._saved[req_id] = save
+                plan.saves.append(save)
+        return plan
+
+    def _lease(self, request: Any, block_ids: list[int]) -> Save | None:
+        assert self._client is not None
+        num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
+        transfer_id = f"{self._engine_id}/{request.request_id}"
+        try:
+            lease = self._client.allocate(self._settings.pool, num_blocks, self._settings.lease_s,
+                                          holder=f"vllm {self._engine_id}")
+        except KvxferError as exc:
+            log.warning("request %s keeps its KV to itself: no daemon pages for it (%s: %s); "
+                        "the decode engine will compute its prompt", request.request_id,
+                        type(exc).__name__, exc)
+            return None
+        verify = self._settings.verify or bool((request.kv_transfer_params or {}).get("verify"))
+        return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]), lease.lease_id,
+                    tuple(lease.runs.pages()), verify)
+
+    def request_finished(self, request: Any) -> dict[str, Any] | None:
+        """The request ended: the ``kv_transfer_params`` of its response (vLLM frees its
+        blocks at once either way)."""
+        req_id = request.request_id
+        self._to_save.pop(req_id, None)
+        if req_id in self._loading:
+            self._loading.discard(req_id)
+            self._cancels.append(req_id)
+        save = self._saved.pop(req_id, None)
+        if save is None or request.status.name not in FINISHED_NORMALLY:
+            return None
+        return RemotePrefill(save.transfer_id, self._peer, request.num_prompt_tokens,
+                             self._layout).to_params()

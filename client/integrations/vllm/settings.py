@@ -1,0 +1,46 @@
+"""The connector's settings: the ``kv_connector_extra_config`` of vLLM's ``--kv-transfer-config``.
+
+::
+
+    --kv-transfer-config '{"kv_connector": "KvxferConnector",
+      "kv_connector_module_path": "kvxfer.integrations.vllm", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"daemon": "unix:///run/kvxfer/kvxfer.sock", "pool": "kv"}}'
+
+Unknown keys are refused (a typo must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvxfer.errors import InvalidSpecError
+
+
+class ConnectorSettings(BaseModel):
+    """Every key of ``kv_connector_extra_config`` the connector reads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    daemon: str = Field("unix:///run/kvxfer/kvxfer.sock",
+                        description="the local kvxfer daemon's worker address")
+    pool: str = Field("kv", description="the daemon pool this engine's KV blocks go through")
+    timeout_s: float = Field(30.0, gt=0, description="deadline of one request's transfer")
+    lease_s: float = Field(60.0, gt=0, description="how long the daemon holds a request's "
+                                                   "pages if nobody releases them")
+    verify: bool = Field(False, description="checksum every transfer (a request can ask for "
+                                            "it with kv_transfer_params {\"verify\": true})")
+    stats_file: str = Field("", description="append one JSON line per transfer (times, bytes)")
+
+
+def load_settings(extra: dict[str, Any]) -> ConnectorSettings:
+    """The settings from ``kv_connector_extra_config``; InvalidSpecError names a bad key."""
+    try:
+        return ConnectorSettings.model_validate(extra)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        raise InvalidSpecError(
+            f"kv_connector_extra_config: {key}={error.get('input')!r}: {error['msg']}; keys: "
+            f"{sorted(ConnectorSettings.model_fields)}") from None

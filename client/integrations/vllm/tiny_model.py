@@ -1,0 +1,75 @@
+"""A small real-architecture model for tests and demos, built here: no download needed.
+
+A Llama (grouped-query attention: 4 query heads, 2 KV heads, head_dim 64) with
+seeded random weights, saved with ``save_pretrained``, and a word-level
+tokenizer (``w0`` ... ``wN``) saved beside it, so that vLLM serves it offline.
+The weights are drawn wider than a trained model's (``initializer_range``) so
+that greedy decoding has clear winners: a near-uniform next-token distribution
+would let rounding noise pick the token. ``python -m
+kvxfer.client.integrations.vllm.tiny_model DIR`` writes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+#: Shapes of the test model (what the daemon pools must match: see ``layout``).
+VOCAB = 512
+LAYERS = 2
+HIDDEN = 256
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 64
+
+
+def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
+          initializer_range: float = 0.08) -> Path:
+    """Write the model and tokenizer to ``directory`` (created); its path."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {token: i for i, token in enumerate(specials + [f"w{i}" for i in range(VOCAB - 3)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "model_max_length": 2048, "add_bos_token": False,
+    }))
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, max_position_embeddings=2048, initializer_range=initializer_range,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def prompt(seed: int, words: int) -> str:
+    """A prompt of ``words`` words of the tiny vocabulary (the same for the same seed)."""
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(f"w{rng.randrange(VOCAB - 3)}" for _ in range(words))
+
+
+def main() -> None:
+    """Write the tiny model to the directory named on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    args = parser.parse_args()
+    print(build(args.directory, seed=args.seed, layers=args.layers))
+
+
+if __name__ == "__main__":
+    main()

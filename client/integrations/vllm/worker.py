@@ -1,0 +1,258 @@
+"""The connector's worker half: copy KV between vLLM's blocks and the daemon's pages.
+
+vLLM keeps one KV tensor per layer, ``[num_blocks, ...]`` with each block's
+bytes contiguous; the daemon's pool holds pages of ``num_layers`` such blocks
+(``BlockLayout``). So layer ``l`` of block ``b`` is one contiguous copy to or
+from layer ``l`` of a page, whatever the engine's attention code keeps inside.
+
+Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
+into its leased pages as the forward computes them (copy-out); ``wait_for_save``
+offers the pages as the request's transfer, lease ending with it, so the
+engine's blocks are free at once. Decode: ``start_load_kv`` leases pages and
+starts a pull per planned load and returns; ``get_finished`` asks the daemon
+once per step which transfers ended (batched completion), copies finished ones
+into the request's blocks (copy-in) and reports them; failed ones report their
+blocks through ``load_errors`` so vLLM recomputes or fails them, never serves
+them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
+from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan
+from kvxfer.client.integrations.vllm.settings import ConnectorSettings
+from kvxfer.client.library import AttachedPool, KvxferClient
+from kvxfer.errors import IncompatibleLayoutError, KvxferError, LeaseNotFoundError
+from kvxfer.pages import PageRuns
+from kvxfer.status import LeaseInfo, TransferInfo
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+@dataclass
+class PendingLoad:
+    """A pull in flight: where its pages land, and when it started."""
+
+    load: Load
+    lease: LeaseInfo
+    started: float
+
+
+class TransferStats:
+    """One JSON line per transfer (``stats_file``): what the benchmark reads."""
+
+    def __init__(self, path: str) -> None:
+        self._path = Path(path) if path else None
+
+    def record(self, **fields: Any) -> None:
+        if self._path is not None:
+            with self._path.open("a") as out:
+                out.write(json.dumps({"unix_time": time.time(), **fields}) + "\n")
+
+
+def _layer_index(name: str) -> int:
+    found = re.search(r"layers\.(\d+)\.", name)
+    if found is None:
+        raise IncompatibleLayoutError(f"cannot tell which layer {name!r} is (no 'layers.N.')")
+    return int(found.group(1))
+
+
+def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A layer's KV tensor as ``[num_blocks, block_bytes]`` bytes, sharing its memory."""
+    return kv_layer.view(torch.uint8).reshape(kv_layer.shape[0], -1)
+
+
+class WorkerSide:
+    """Moves one engine worker's KV blocks to and from its daemon."""
+
+    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str) -> None:
+        self._settings = settings
+        self._layout = layout
+        self._engine_id = engine_id
+        self._client = KvxferClient(settings.daemon)
+        self._stats = TransferStats(settings.stats_file)
+        self._pool: AttachedPool | None = None
+        self._pages = torch.empty(0, dtype=torch.uint8)
+        self._layers: dict[str, int] = {}
+        self._kv: list[torch.Tensor] = []
+        self._plan = StepPlan()
+        self._copy_out: dict[str, float] = {}
+        self._pending: dict[str, PendingLoad] = {}
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._cursor = 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
+        names = sorted(kv_caches, key=_layer_index)
+        if len(names) != self._layout.num_layers:
+            raise IncompatibleLayoutError(f"vLLM registered {len(names)} KV layers; the model has "
+                                          f"{self._layout.num_layers}")
+        for name in names:
+            kv = kv_caches[name]
+            block_bytes = kv[0].numel() * kv.element_size()
+            if not kv.is_contiguous() or block_bytes != self._layout.block_bytes:
+                raise IncompatibleLayoutError(
+                    f"layer {name}'s KV cache {tuple(kv.shape)} is not blocks of "
+                    f"{self._layout.block_bytes} contiguous bytes (it has {block_bytes}); kvxfer "
+                    "needs each block's bytes together")
+        self._layers = {name: i for i, name in enumerate(names)}
+        self._kv = [_blocks(kv_caches[name]) for name in names]
+        self._pool = pool = self._client.attach(self._settings.pool)
+        check_pool(self._layout, pool.descriptor)
+        start = pool.descriptor.layout.anchor_bytes
+        self._pages = pool.raw[start:start + pool.descriptor.num_pages * pool.descriptor.page_bytes]
+        self._pages = self._pages.view(pool.descriptor.num_pages, len(names), self._layout.block_bytes)
+        self._cursor = self._client.completions().cursor
+        log.info("kvxfer: %d layers of %d-byte blocks through pool %r of %s", len(names),
+                 self._layout.block_bytes, self._settings.pool, self._settings.daemon)
+
+    def bind(self, plan: StepPlan) -> None:
+        """This step's plan, from the scheduler half."""
+        self._plan = plan
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        """Copy this layer's blocks of every request saved this step into its pages."""
+        if not self._plan.saves:
+            return
+        layer = self._layers[layer_name]
+        blocks = _blocks(kv_layer)
+        for save in self._plan.saves:
+            start = time.perf_counter()
+            self._pages[list(save.pages), layer] = blocks[list(save.block_ids)]
+            self._copy_out[save.transfer_id] = (self._copy_out.get(save.transfer_id, 0.0)
+                                                + time.perf_counter() - start)
+
+    def wait_for_save(self) -> None:
+        """Offer every page saved this step; the lease ends with the transfer."""
+        for save in self._plan.saves:
+            self._offer(save)
+
+    def _offer(self, save: Save) -> None:
+        nbytes = len(save.block_ids) * self._layout.num_layers * self._layout.block_bytes
+        try:
+            self._client.offer(save.transfer_id, self._settings.pool, PageRuns.from_pages(save.pages),
+                               timeout_s=self._settings.timeout_s, verify=save.verify,
+                               lease_id=save.lease_id, release_lease=True)
+        except KvxferError as exc:
+            log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
+                      "recompute", save.req_id, type(exc).__name__, exc)
+            self._release(save.lease_id)
+        self._stats.record(role="prefill", transfer_id=save.transfer_id, req_id=save.req_id,
+                           pages=len(save.pages), bytes=nbytes,
+                           copy_s=self._copy_out.pop(save.transfer_id, 0.0))
+
+    # -- decode ------------------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        """Drop the loads of requests that ended, and start this step's pulls."""
+        for req_id in self._plan.cancels:
+            for tid, pending in list(self._pending.items()):
+                if pending.load.req_id == req_id:
+                    del self._pending[tid]
+                    self._abort(tid, "its request ended")
+                    self._release(pending.lease.lease_id)
+        for load in self._plan.loads:
+            if load.refused:
+                self._fail(load, load.refused)
+                continue
+            try:
+                lease = self._client.allocate(self._settings.pool, load.num_pages,
+                                              self._settings.lease_s, holder=f"vllm {self._engine_id}")
+            except KvxferError as exc:
+                self._fail(load, f"no daemon pages for it: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                self._client.pull(load.transfer_id, load.peer, self._settings.pool, lease.runs,
+                                  timeout_s=self._settings.timeout_s, lease_id=lease.lease_id)
+            except KvxferError as exc:
+                self._release(lease.lease_id)
+                self._fail(load, f"the pull was refused: {type(exc).__name__}: {exc}")
+                continue
+            self._pending[load.transfer_id] = PendingLoad(load, lease, time.perf_counter())
+
+    def get_finished(self) -> set[str]:
+        """Requests whose load ended since the last step (failed ones too: see load_errors)."""
+        if self._pending:
+            ended = self._client.completions(self._cursor)
+            self._cursor = ended.cursor
+            infos = ended.transfers
+            if ended.missed:  # the daemon no longer keeps some endings: ask for ours
+                infos = [i for i in self._client.transfers() if i.state.final]
+            for info in infos:
+                pending = self._pending.pop(info.transfer_id, None)
+                if pending is not None:
+                    self._land(pending, info)
+        finished, self._finished = self._finished, set()
+        return finished
+
+    def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
+        load = pending.load
+        transfer_s = time.perf_counter() - pending.started
+        if not info.ok:
+            self._release(pending.lease.lease_id)
+            self._fail(load, f"transfer {info.state.name}: {info.error}")
+            return
+        start = time.perf_counter()
+        pages = list(pending.lease.runs.pages())[load.first_page:load.first_page + len(load.block_ids)]
+        blocks = list(load.block_ids)
+        for layer, kv in enumerate(self._kv):
+            kv[blocks] = self._pages[pages, layer]
+        copy_s = time.perf_counter() - start
+        self._release(pending.lease.lease_id)
+        self._finished.add(load.req_id)
+        self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id, ok=True,
+                           pages=load.num_pages, bytes=info.bytes, transfer_s=transfer_s,
+                           daemon_s=info.seconds, copy_s=copy_s, verified=info.verified)
+
+    def _fail(self, load: Load, why: str) -> None:
+        log.error("request %s: KV load of %s failed, its blocks are reported invalid: %s",
+                  load.req_id, load.transfer_id, why)
+        self._errors.update(load.block_ids)
+        self._finished.add(load.req_id)
+        self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
+                           ok=False, error=why)
+
+    def take_load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes or fails them)."""
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- both ------------------------------------------------------------------------------------
+
+    def _release(self, lease_id: str) -> None:
+        try:
+            self._client.release(lease_id)
+        except LeaseNotFoundError:
+            pass  # it ended with its transfer, or expired
+        except KvxferError as exc:
+            log.warning("could not release lease %s: %s", lease_id, exc)
+
+    def _abort(self, transfer_id: str, why: str) -> None:
+        try:
+            self._client.abort(transfer_id, why)
+        except KvxferError as exc:
+            log.info("could not abort %s: %s", transfer_id, exc)
+
+    def shutdown(self) -> None:
+        """Abort pending loads, unmap the pool, close the channel."""
+        for tid, pending in list(self._pending.items()):
+            self._abort(tid, "the engine shut down")
+            self._release(pending.lease.lease_id)
+        self._pending.clear()
+        if self._pool is not None:
+            self._pages = torch.empty(0, dtype=torch.uint8)
+            self._pool.detach()
+        self._client.close()

@@ -1,0 +1,99 @@
+"""Real vLLM engines, disaggregated through kvxfer, answer exactly like one engine.
+
+``vllm_scenario.py`` runs under the vLLM environment (``./scripts/setup-vllm.sh``
+makes ``.venv-vllm``; ``./scripts/test.sh`` runs it): a single-engine baseline,
+and two kvxfer daemons with a prefill and a decode engine (``vllm serve`` with
+KvxferConnector) behind the proxy. The same prompts go to both, concurrently,
+greedy. This module asserts on what it reports. Without ``.venv-vllm`` it
+skips, unless KVXFER_REQUIRE_VLLM=1 (CI), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvxfer.transport import LOOPBACK_ENV
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What the scenario answered and counted (it takes a minute or two)."""
+    if not VLLM_PYTHON.exists():
+        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
+        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    workdir = tmp_path_factory.mktemp("vllm")
+    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir)],
+                         capture_output=True, text=True, timeout=800,
+                         env={**os.environ, **LOOPBACK_ENV})
+    assert out.returncode == 0, out.stderr[-6000:]
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
+    """How each answer differs (tokens, or logprobs bit for bit); empty when identical."""
+    found = []
+    for i, (w, g) in enumerate(zip(want, got, strict=True)):
+        if w["tokens"] != g["tokens"]:
+            found.append(f"prompt {i}: tokens {g['tokens']} != {w['tokens']}")
+        elif w["logprobs"] != g["logprobs"]:
+            worst = max(abs(a - b) for a, b in zip(w["logprobs"], g["logprobs"]))
+            found.append(f"prompt {i}: logprobs differ by up to {worst:.3g}")
+    return found
+
+
+def test_disaggregated_answers_equal_one_engine_token_for_token_logprob_for_logprob(run) -> None:
+    want, got = run["baseline"]["A"], run["disaggregated"]
+    assert len(got) == 8 and max(a["prompt_tokens"] for a in got) >= 4 * 32  # several blocks
+    assert sorted({a["prompt_tokens"] for a in got}) == sorted(a["prompt_tokens"] for a in got)
+    assert differences(want, got) == []
+
+
+def test_the_decode_engine_loaded_every_prompt_token_and_computed_none(run) -> None:
+    before, after = run["before"], run["after_disaggregated"]
+    prompt_tokens = sum(a["prompt_tokens"] for a in run["disaggregated"])
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
+    assert after["local_compute"] == before["local_compute"] == 0
+    assert after["prefill_local_compute"] == prompt_tokens
+    assert after["decode_daemon_done"] == after["prefill_daemon_done"] == 8
+
+
+def test_a_streamed_answer_through_the_proxy_is_the_same_text(run) -> None:
+    assert run["streamed"]["text"] == run["baseline"]["A"][5]["text"]
+
+
+def test_a_corrupted_page_changes_the_answer(run) -> None:
+    """The negative control: the decode daemon flips one byte of these transfers (its test-only
+    fault hook), unchecked; if the decode engine did not use the transferred KV, nothing would change."""
+    assert len(differences(run["baseline"]["B"], run["corrupted"])) == len(run["corrupted"]) == 4
+    assert run["after_corrupted"]["decode_daemon_failed"] == 0
+
+
+def test_with_checksums_a_corrupted_transfer_fails_and_the_prompt_is_recomputed(run) -> None:
+    before, after = run["after_corrupted"], run["after_corrupted_verified"]
+    assert differences(run["baseline"]["C"], run["corrupted_verified"]) == []
+    assert after["decode_daemon_failed"] - before["decode_daemon_failed"] == 4
+    recomputed = sum(a["prompt_tokens"] for a in run["corrupted_verified"])
+    assert after["local_compute"] - before["local_compute"] == recomputed
+    failures = [s for s in run["decode_stats"] if s.get("ok") is False]
+    assert len(failures) == 4 and all("checksum" in s["error"] for s in failures)
+
+
+def test_every_transfer_is_recorded_and_no_page_stays_leased(run) -> None:
+    assert run["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}
+    done = [s for s in run["decode_stats"] if s.get("ok")]
+    assert len(done) == 13 and all(s["bytes"] > 0 and s["copy_s"] > 0 for s in done)
+    assert len(run["prefill_stats"]) == 17 and all(s["copy_s"] > 0 for s in run["prefill_stats"])

@@ -1,0 +1,185 @@
+"""The vLLM connector's halves without vLLM: real daemons, KV blocks in plain tensors.
+
+The scheduler and worker halves take vLLM's objects by the few attributes they
+read, so these tests hand them stand-ins (a request id, its kv_transfer_params,
+its prompt length and status) and KV caches shaped as vLLM's CPU backend keeps
+them, and move the blocks through two real daemons. ``test_vllm.py`` runs the
+same code inside real vLLM engines.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool, pool_flag
+from kvxfer.client.integrations.vllm.protocol import RemotePrefill
+from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.client.integrations.vllm.settings import load_settings
+from kvxfer.client.integrations.vllm.worker import WorkerSide
+from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
+
+LAYOUT = BlockLayout(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
+                     head_size=64, tp_size=1, vllm_version="0.32.0", attention="cpu/vec")
+POOL = pool_flag(LAYOUT, "kv", 64)
+NUM_BLOCKS = 16
+
+
+@dataclass
+class Request:
+    """The attributes of vLLM's Request the connector reads."""
+
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    status: Any = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+
+
+def kv_caches(seed: int) -> dict[str, torch.Tensor]:
+    """Two layers of KV cache as vLLM's CPU backend shapes them: [blocks, heads, slots, 2*dim]."""
+    gen = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(NUM_BLOCKS, 2, 32, 128, generator=gen)
+            .to(torch.bfloat16) for i in range(2)}
+
+
+def settings(daemon: str, **extra: Any):
+    return load_settings({"daemon": daemon, "pool": "kv", "timeout_s": 20, **extra})
+
+
+def wait_finished(worker: WorkerSide, req_id: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while req_id not in worker.get_finished():
+        assert time.monotonic() < deadline, f"{req_id} never finished loading"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def pair(spawn):
+    """A prefill and a decode daemon whose pools hold this layout's blocks."""
+    return spawn("prefill", [POOL]), spawn("decode", [POOL])
+
+
+def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> None:
+    pre, dec = pair
+    with KvxferClient(pre.worker_address) as p:
+        sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
+                                consumer=False, client=p)
+        sched_d = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
+                                consumer=True, client=None)
+        work_p = WorkerSide(settings(pre.worker_address), LAYOUT, "P")
+        work_d = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
+        kv_p, kv_d = kv_caches(1), kv_caches(2)
+        work_p.register_kv_caches(kv_p)
+        work_d.register_kv_caches(kv_d)
+        decode_before = {k: v.clone() for k, v in kv_d.items()}
+
+        # Prefill: a 70-token prompt in blocks 3, 7, 9 is finished this step.
+        req = Request("r1", 70, {"do_remote_decode": True})
+        sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
+        plan = sched_p.build_plan({"r1": (0, 70)}, lambda _: [3, 7, 9])
+        assert [s.block_ids for s in plan.saves] == [(3, 7, 9)]
+        work_p.bind(plan)
+        for name, kv in kv_p.items():
+            work_p.save_kv_layer(name, kv)
+        work_p.wait_for_save()
+        params = sched_p.request_finished(req)
+        assert params is not None and params["do_remote_prefill"] is True
+        remote = RemotePrefill.from_params(params)
+        assert remote is not None and remote.num_tokens == 70 and remote.peer == pre.peer_address
+
+        # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
+        dreq = Request("d1", 70, params)
+        assert sched_d.get_num_new_matched_tokens(dreq, 0) == (70, True)
+        sched_d.update_state_after_alloc(dreq, [1, 2, 5], 70)
+        work_d.bind(sched_d.build_plan({}, lambda _: []))
+        work_d.start_load_kv()
+        wait_finished(work_d, "d1")
+        assert work_d.take_load_errors() == set()
+        for name in kv_d:
+            expected = decode_before[name].clone()
+            expected[[1, 2, 5]] = kv_p[name][[3, 7, 9]]
+            assert torch.equal(kv_d[name], expected), name
+        with KvxferClient(dec.worker_address) as d:
+            assert p.leased_pages() == {"kv": 0} and d.leased_pages() == {"kv": 0}
+        work_p.shutdown()
+        work_d.shutdown()
+
+
+def test_a_layout_that_differs_is_refused_naming_every_difference(pair) -> None:
+    _, dec = pair
+    theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "vllm_version": "0.31.0"})
+    params = RemotePrefill("P/x", "127.0.0.1:1", 40, theirs).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+                          client=None)
+    req = Request("x", 40, params)
+    assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
+    sched.update_state_after_alloc(req, [4, 6], 40)
+    plan = sched.build_plan({}, lambda _: [])
+    refused = plan.loads[0].refused
+    assert "block_size: ours 32, theirs 16" in refused and "vllm_version: ours '0.32.0'" in refused
+    worker = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
+    worker.register_kv_caches(kv_caches(3))
+    worker.bind(plan)
+    worker.start_load_kv()
+    assert worker.get_finished() == {"x"} and worker.take_load_errors() == {4, 6}
+    with KvxferClient(dec.worker_address) as d:
+        assert d.transfers() == []  # nothing was asked of the daemon
+    worker.shutdown()
+
+
+def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_untouched(pair) -> None:
+    pre, dec = pair
+    params = RemotePrefill("P/never-offered", pre.peer_address, 64, LAYOUT).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+                          client=None)
+    worker = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
+    kv = kv_caches(4)
+    worker.register_kv_caches(kv)
+    before = {k: v.clone() for k, v in kv.items()}
+    req = Request("gone", 64, params)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [8, 9], 64)
+    worker.bind(sched.build_plan({}, lambda _: []))
+    worker.start_load_kv()
+    assert worker.get_finished() == set()
+    assert sched.request_finished(req) is None  # the client went away
+    worker.bind(sched.build_plan({}, lambda _: []))
+    worker.start_load_kv()
+    with KvxferClient(dec.worker_address) as d:
+        [info] = d.transfers()
+        assert info.state.name == "ABORTED" and "its request ended" in info.error
+        assert d.leased_pages() == {"kv": 0}
+    assert worker.get_finished() == set()
+    assert all(torch.equal(kv[k], before[k]) for k in kv)
+    worker.shutdown()
+
+
+def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> None:
+    pre = spawn("small", [pool_flag(LAYOUT, "kv", 2)])  # room for 2 blocks, the prompt needs 3
+    with KvxferClient(pre.worker_address) as p:
+        sched = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
+                              consumer=False, client=p)
+        req = Request("big", 70, {"do_remote_decode": True})
+        sched.update_state_after_alloc(req, [0, 1, 2], 0)
+        assert sched.build_plan({"big": (0, 70)}, lambda _: [0, 1, 2]).saves == []
+        assert sched.request_finished(req) is None  # no remote prefill: decode computes it
+
+
+def test_a_pool_that_does_not_hold_the_blocks_is_refused_with_the_flag_that_would(spawn) -> None:
+    d = spawn("wrong", ["name=kv,preset=tiny"])
+    with KvxferClient(d.worker_address) as kv:
+        descriptor, _ = kv.describe("kv")
+    with pytest.raises(IncompatibleLayoutError, match=r"page_size is 16, the engine needs 32") as err:
+        check_pool(LAYOUT, descriptor)
+    assert pool_flag(LAYOUT, "kv", 64) in str(err.value)
+
+
+def test_an_unknown_connector_setting_is_refused() -> None:
+    with pytest.raises(InvalidSpecError, match="timeout=5.*keys:"):
+        load_settings({"daemon": "unix:///x", "timeout": 5})
