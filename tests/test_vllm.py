@@ -26,21 +26,32 @@ HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """What the scenario answered and counted (it takes a minute or two)."""
+def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, Any]:
+    """What ``vllm_scenario.py`` answered and counted (it takes one to two minutes)."""
     if not VLLM_PYTHON.exists():
         message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
         if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
             pytest.fail(message)
         pytest.skip(message)
     workdir = tmp_path_factory.mktemp("vllm")
-    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir)],
+    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-6000:]
     result: dict[str, Any] = json.loads(out.stdout)
     return result
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One engine per role, and the negative controls."""
+    return scenario(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def run_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every engine with two tensor-parallel ranks (a transfer per rank); no controls."""
+    return scenario(tmp_path_factory, "--tp", "2", "--no-controls")
 
 
 def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
@@ -97,3 +108,19 @@ def test_every_transfer_is_recorded_and_no_page_stays_leased(run) -> None:
     done = [s for s in run["decode_stats"] if s.get("ok")]
     assert len(done) == 13 and all(s["bytes"] > 0 and s["copy_s"] > 0 for s in done)
     assert len(run["prefill_stats"]) == 17 and all(s["copy_s"] > 0 for s in run["prefill_stats"])
+
+
+def test_with_two_tensor_parallel_ranks_the_answers_still_equal_one_engine(run_tp2) -> None:
+    assert run_tp2["tp"] == 2
+    assert differences(run_tp2["baseline"]["A"], run_tp2["disaggregated"]) == []
+    assert run_tp2["streamed"]["text"] == run_tp2["baseline"]["A"][5]["text"]
+
+
+def test_with_two_ranks_each_rank_moves_its_own_shard_and_nothing_is_computed_twice(run_tp2) -> None:
+    after = run_tp2["after_disaggregated"]
+    assert after["external_kv_transfer"] == sum(a["prompt_tokens"] for a in run_tp2["disaggregated"])
+    assert after["local_compute"] == 0
+    assert after["decode_daemon_done"] == after["prefill_daemon_done"] == 2 * 8
+    ranks = [s["rank"] for s in run_tp2["decode_stats"] if s.get("ok")]
+    assert sorted(set(ranks)) == [0, 1] and ranks.count(0) == ranks.count(1)
+    assert run_tp2["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}

@@ -183,3 +183,48 @@ def test_a_pool_that_does_not_hold_the_blocks_is_refused_with_the_flag_that_woul
 def test_an_unknown_connector_setting_is_refused() -> None:
     with pytest.raises(InvalidSpecError, match="timeout=5.*keys:"):
         load_settings({"daemon": "unix:///x", "timeout": 5})
+
+
+def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
+    """TP 2: one lease and one transfer per rank; each rank's blocks land in the same rank."""
+    pre, dec = pair
+    tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        sched_p = SchedulerSide(settings(pre.worker_address), tp2, "P", producer=True,
+                                consumer=False, client=p)
+        sched_d = SchedulerSide(settings(dec.worker_address), tp2, "D", producer=False,
+                                consumer=True, client=None)
+        ranks = range(2)
+        work_p = [WorkerSide(settings(pre.worker_address), tp2, "P", rank) for rank in ranks]
+        work_d = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in ranks]
+        kv_p = [kv_caches(10 + rank) for rank in ranks]
+        kv_d = [kv_caches(20 + rank) for rank in ranks]
+        for worker, kv in [*zip(work_p, kv_p), *zip(work_d, kv_d)]:
+            worker.register_kv_caches(kv)
+        req = Request("t", 40, {"do_remote_decode": True})
+        sched_p.update_state_after_alloc(req, [2, 3], 0)
+        plan = sched_p.build_plan({"t": (0, 40)}, lambda _: [2, 3])
+        [save] = plan.saves
+        assert len(save.lease_ids) == 2 and not set(save.pages[0]) & set(save.pages[1])
+        for worker, kv in zip(work_p, kv_p):
+            worker.bind(plan)
+            for name, layer in kv.items():
+                worker.save_kv_layer(name, layer)
+            worker.wait_for_save()
+        params = sched_p.request_finished(req)
+        dreq = Request("u", 40, params)
+        sched_d.get_num_new_matched_tokens(dreq, 0)
+        sched_d.update_state_after_alloc(dreq, [7, 11], 40)
+        dplan = sched_d.build_plan({}, lambda _: [])
+        for worker in work_d:
+            worker.bind(dplan)
+            worker.start_load_kv()
+        for worker in work_d:
+            wait_finished(worker, "u")
+        for rank in ranks:
+            for name in kv_d[rank]:
+                assert torch.equal(kv_d[rank][name][[7, 11]], kv_p[rank][name][[2, 3]]), (rank, name)
+        assert {i.transfer_id.rsplit("/", 1)[-1] for i in d.transfers()} == {"tp0", "tp1"}
+        assert p.leased_pages() == {"kv": 0} and d.leased_pages() == {"kv": 0}
+        for worker in [*work_p, *work_d]:
+            worker.shutdown()

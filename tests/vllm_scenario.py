@@ -1,6 +1,6 @@
 """Drive real vLLM servers through kvxfer and report what they answered (run by test_vllm.py).
 
-usage: .venv-vllm/bin/python tests/vllm_scenario.py WORKDIR
+usage: .venv-vllm/bin/python tests/vllm_scenario.py WORKDIR [--tp N] [--no-controls]
 
 Runs under the vLLM environment: builds the tiny model, starts a single-engine
 baseline beside a disaggregated deployment (two kvxfer daemons, a prefill and
@@ -9,13 +9,15 @@ both, concurrently, and prints one JSON object: every answer's tokens and
 logprobs, the engines' and daemons' counters after each phase, and the
 connector's per-transfer records. The decode daemon corrupts every transfer
 whose id contains "corrupt" (its test-only fault hook); requests of the
-negative controls are named so (X-Request-Id). test_vllm.py asserts on it.
+negative controls are named so (X-Request-Id). ``--tp 2`` runs every engine with
+two tensor-parallel ranks; ``--no-controls`` leaves the negative controls out.
+test_vllm.py asserts on the output.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -89,15 +91,22 @@ def metric(port: int | None, sample: str) -> float:
 
 
 def main() -> None:
-    workdir = Path(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--no-controls", dest="controls", action="store_false")
+    args = parser.parse_args()
+    workdir = Path(args.workdir)
     model = str(build(str(workdir / "model")))
     sets = {"A": [prompt(seed=i, words=n) for i, n in enumerate(LENGTHS)],
             "B": [prompt(seed=100 + i, words=n) for i, n in enumerate(LENGTHS[4:])],
             "C": [prompt(seed=200 + i, words=n) for i, n in enumerate(LENGTHS[4:])]}
-    out: dict[str, Any] = {"model": model, "lengths": LENGTHS}
-    baseline = VllmServer("baseline", model, workdir).spawn()
+    if not args.controls:
+        del sets["B"], sets["C"]
+    out: dict[str, Any] = {"model": model, "lengths": LENGTHS, "tp": args.tp}
+    baseline = VllmServer("baseline", model, workdir, tp=args.tp).spawn()
     try:
-        with Disaggregation(model, workdir, num_pages=512,
+        with Disaggregation(model, workdir, num_pages=512, tp=args.tp,
                             decode_daemon_env={"KVXFER_FAULT_CORRUPT_RECEIVED": "corrupt"}) as d:
             baseline.wait_ready()
             out["baseline"] = {name: ask_all(baseline.client, model, prompts, f"base-{name}")
@@ -108,11 +117,12 @@ def main() -> None:
             out["after_disaggregated"] = counters(d, model)
             with d.client() as http:
                 out["streamed"] = ask(http, model, sets["A"][5], "pd-stream", stream=True)
-            out["corrupted"] = ask_all(d.client, model, sets["B"], "corrupt-plain")
-            out["after_corrupted"] = counters(d, model)
-            out["corrupted_verified"] = ask_all(d.client, model, sets["C"], "corrupt-checked",
-                                                {"verify": True})
-            out["after_corrupted_verified"] = counters(d, model)
+            if args.controls:
+                out["corrupted"] = ask_all(d.client, model, sets["B"], "corrupt-plain")
+                out["after_corrupted"] = counters(d, model)
+                out["corrupted_verified"] = ask_all(d.client, model, sets["C"], "corrupt-checked",
+                                                    {"verify": True})
+                out["after_corrupted_verified"] = counters(d, model)
             assert d.prefill_daemon is not None and d.decode_daemon is not None
             from kvxfer.client import KvxferClient
 

@@ -7,12 +7,11 @@ it does: a ``kv_producer`` only hands KV off, a ``kv_consumer`` only loads it,
 ``kv_both`` does both. Settings come from ``kv_connector_extra_config``
 (``settings.ConnectorSettings``).
 
-Tensor parallelism: each rank has its own worker half and KV shard, so with
-TP > 1 each rank needs a pool of its own shard's blocks and a transfer of its
-own (the design: pool name ``{pool}-tp{rank}`` and transfer id
-``{engine}/{request}/tp{rank}``, the scheduler leasing one run per rank and vLLM
-waiting until every rank reported its load). This build supports TP = 1 and
-refuses larger TP at start.
+Tensor parallelism: each rank has its own worker half and its shard of the KV
+heads, so a page holds one rank's block, the scheduler leases pages per rank,
+and each rank moves its own transfer (``{engine}/{request}/tp{rank}``); vLLM
+counts a load finished once every rank reported it. Both engines must have the
+same TP size (it is part of the block layout).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
-from kvxfer.errors import InvalidSpecError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,9 +80,6 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = vllm_config.kv_transfer_config
         settings = load_settings(dict(transfer.kv_connector_extra_config))
         layout = block_layout(vllm_config)
-        if layout.tp_size != 1:
-            raise InvalidSpecError(f"KvxferConnector supports tensor_parallel_size 1; this engine "
-                                   f"has {layout.tp_size} (see the connector's docstring)")
         engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -95,7 +90,9 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 consumer=bool(transfer.is_kv_consumer),
                 client=KvxferClient(settings.daemon) if producer else None)
         else:
-            self._worker = WorkerSide(settings, layout, engine_id)
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._worker = WorkerSide(settings, layout, engine_id, get_tensor_model_parallel_rank())
 
     # -- scheduler half ----------------------------------------------------------------------
 

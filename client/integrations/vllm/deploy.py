@@ -40,12 +40,22 @@ ENGINE_ENV = {
 BLOCK_SIZE = 32
 
 
+def cpu_binding(tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks on one NUMA node: the cores this
+    process may use, split evenly ("0|1" for 2 ranks on 2 cores). vLLM's CPU build
+    cannot place more ranks than NUMA nodes by itself."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // tp)
+    groups = [cores[i * share:(i + 1) * share] or cores[-1:] for i in range(tp)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 class VllmServer:
     """One ``vllm serve`` subprocess; a context manager that always stops it (and its children)."""
 
     def __init__(self, name: str, model: str, workdir: Path, *, port: int | None = None,
                  kv_transfer: dict[str, Any] | None = None, max_model_len: int = 1024,
-                 env: dict[str, str] | None = None) -> None:
+                 tp: int = 1, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         socket = workdir / f"{name}.http.sock"
@@ -54,10 +64,11 @@ class VllmServer:
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
             *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", "bfloat16",
-            "--max-model-len", str(max_model_len), "--seed", "0",
+            "--max-model-len", str(max_model_len), "--seed", "0", "--tensor-parallel-size", str(tp),
             *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []),
         ]
-        self.env = {**os.environ, **LOOPBACK_ENV, **ENGINE_ENV, **(env or {})}
+        binding = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp)} if tp > 1 else {}
+        self.env = {**binding, **os.environ, **LOOPBACK_ENV, **ENGINE_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
@@ -136,17 +147,19 @@ def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
 class Disaggregation:
     """Two daemons, a prefill and a decode engine with the connector, and the proxy.
 
-    ``verify`` checksums every transfer; ``decode_daemon_env`` is extra environment
-    for the decode daemon (the tests' fault hook); ``ports`` are the proxy's, the
-    prefill's and the decode engine's (None: unix sockets in ``workdir``).
+    ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
+    ``decode_daemon_env`` is extra environment for the decode daemon (the tests' fault
+    hook); ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix
+    sockets in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
-                 decode_daemon_env: dict[str, str] | None = None,
+                 tp: int = 1, decode_daemon_env: dict[str, str] | None = None,
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
         self.workdir = workdir
-        self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages)
+        self.tp = tp
+        self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
         self.verify = verify
         self.decode_daemon_env = decode_daemon_env or {}
         self.ports = ports
@@ -175,12 +188,15 @@ class Disaggregation:
         self.decode_daemon = self._stack.enter_context(
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
                         env=self.decode_daemon_env))
-        self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, kv_transfer=connector_config(
-            "kv_producer", self.prefill_daemon.worker_address, verify=self.verify,
-            stats_file=str(workdir / "prefill-stats.jsonl")))
-        self.decode = VllmServer("decode", self.model, workdir, port=decode_port, kv_transfer=connector_config(
-            "kv_consumer", self.decode_daemon.worker_address,
-            stats_file=str(workdir / "decode-stats.jsonl")))
+        self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
+                                  kv_transfer=connector_config(
+                                      "kv_producer", self.prefill_daemon.worker_address,
+                                      verify=self.verify,
+                                      stats_file=str(workdir / "prefill-stats.jsonl")))
+        self.decode = VllmServer("decode", self.model, workdir, port=decode_port, tp=self.tp,
+                                 kv_transfer=connector_config(
+                                     "kv_consumer", self.decode_daemon.worker_address,
+                                     stats_file=str(workdir / "decode-stats.jsonl")))
         for engine in (self.prefill, self.decode):  # both start at once: imports dominate
             self._stack.callback(engine.stop)
             engine.spawn()

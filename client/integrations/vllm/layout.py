@@ -86,16 +86,21 @@ def pool_flag(layout: BlockLayout, name: str, num_pages: int) -> str:
             f"page_size={layout.block_size},num_pages={num_pages}")
 
 
-def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int) -> str:
-    """The ``--pool`` value for a Hugging Face model directory (its config.json), without vLLM."""
+def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
+                    tp: int = 1) -> str:
+    """The ``--pool`` value for a Hugging Face model directory (its config.json), without
+    vLLM; with tensor parallelism a page is one rank's block (its share of the KV heads)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    if kv_heads % tp:
+        raise InvalidSpecError(f"{model_dir}: {kv_heads} KV heads do not split over {tp} ranks")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    MhaSpec(config["num_hidden_layers"], config.get("num_key_value_heads", heads), head_dim,
-            head_dim, dtype, block_size, num_pages)  # validates
     if dtype not in ("bfloat16", "float16", "float32"):
         raise InvalidSpecError(f"{model_dir}: dtype {dtype!r} is not one vLLM serves here")
-    return (f"name={name},kind=mha,layer_num={config['num_hidden_layers']},"
-            f"head_num={config.get('num_key_value_heads', heads)},head_dim={head_dim},"
-            f"v_head_dim={head_dim},dtype={dtype},page_size={block_size},num_pages={num_pages}")
+    layout = BlockLayout(model_dir, dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
+                         head_dim, tp, "", "")
+    MhaSpec(layout.num_layers, layout.num_kv_heads, head_dim, head_dim, dtype, block_size,
+            num_pages)  # validates
+    return pool_flag(layout, name, num_pages)

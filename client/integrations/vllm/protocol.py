@@ -54,24 +54,30 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
     return bool(params and params.get("do_remote_decode"))
 
 
+def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
+    """The transfer of one tensor-parallel rank's shard (the id itself when TP is 1)."""
+    return transfer_id if tp_size == 1 else f"{transfer_id}/tp{rank}"
+
+
 @dataclass(frozen=True)
 class Save:
-    """Prefill: copy these blocks, layer by layer as the forward computes them, into the
-    leased pages (block ``i`` into ``pages[i]``), then offer them as ``transfer_id``."""
+    """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
+    into the pages leased for it (block ``i`` into ``pages[rank][i]``), then offers them as
+    its rank's transfer of ``transfer_id``."""
 
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
-    lease_id: str
-    pages: tuple[int, ...]
+    lease_ids: tuple[str, ...]
+    pages: tuple[tuple[int, ...], ...]
     verify: bool
 
 
 @dataclass(frozen=True)
 class Load:
-    """Decode: pull ``transfer_id`` (``num_pages`` pages) from ``peer``, then copy page
-    ``first_page + i`` into ``block_ids[i]`` (earlier pages are a local prefix-cache hit).
-    A load with ``refused`` set fails at once, moving nothing."""
+    """Decode: each rank pulls its transfer of ``transfer_id`` (``num_pages`` pages) from
+    ``peer``, then copies page ``first_page + i`` into ``block_ids[i]`` (earlier pages are
+    a local prefix-cache hit). A load with ``refused`` set fails at once, moving nothing."""
 
     req_id: str
     transfer_id: str

@@ -2,7 +2,8 @@
 
 Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``): in
 the step in which its prompt finishes, the scheduler leases pages for all its
-prompt blocks from the local daemon and tells the worker to save the blocks
+prompt blocks from the local daemon, one lease per tensor-parallel rank (each
+rank holds a shard of the KV heads), and tells the workers to save the blocks
 there (``Save``). The lease is taken here, not in the worker, because
 ``request_finished`` (the same step) must already know whether the KV will be
 there: if the lease failed, the response carries no remote prefill and the
@@ -36,6 +37,7 @@ from kvxfer.client.integrations.vllm.protocol import (
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import KvxferError
+from kvxfer.status import LeaseInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -131,17 +133,23 @@ class SchedulerSide:
         assert self._client is not None
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
         transfer_id = f"{self._engine_id}/{request.request_id}"
+        leases: list[LeaseInfo] = []
         try:
-            lease = self._client.allocate(self._settings.pool, num_blocks, self._settings.lease_s,
-                                          holder=f"vllm {self._engine_id}")
+            for rank in range(self._layout.tp_size):
+                leases.append(self._client.allocate(
+                    self._settings.pool, num_blocks, self._settings.lease_s,
+                    holder=f"vllm {self._engine_id} tp{rank}"))
         except KvxferError as exc:
             log.warning("request %s keeps its KV to itself: no daemon pages for it (%s: %s); "
                         "the decode engine will compute its prompt", request.request_id,
                         type(exc).__name__, exc)
+            for lease in leases:
+                self._client.release(lease.lease_id)
             return None
         verify = self._settings.verify or bool((request.kv_transfer_params or {}).get("verify"))
-        return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]), lease.lease_id,
-                    tuple(lease.runs.pages()), verify)
+        return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]),
+                    tuple(lease.lease_id for lease in leases),
+                    tuple(tuple(lease.runs.pages()) for lease in leases), verify)
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """The request ended: the ``kv_transfer_params`` of its response (vLLM frees its

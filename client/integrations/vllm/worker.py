@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
-from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan
+from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.errors import IncompatibleLayoutError, KvxferError, LeaseNotFoundError
@@ -75,10 +75,12 @@ def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
 class WorkerSide:
     """Moves one engine worker's KV blocks to and from its daemon."""
 
-    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str) -> None:
+    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str,
+                 rank: int = 0) -> None:
         self._settings = settings
         self._layout = layout
         self._engine_id = engine_id
+        self._rank = rank
         self._client = KvxferClient(settings.daemon)
         self._stats = TransferStats(settings.stats_file)
         self._pool: AttachedPool | None = None
@@ -131,7 +133,7 @@ class WorkerSide:
         blocks = _blocks(kv_layer)
         for save in self._plan.saves:
             start = time.perf_counter()
-            self._pages[list(save.pages), layer] = blocks[list(save.block_ids)]
+            self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
             self._copy_out[save.transfer_id] = (self._copy_out.get(save.transfer_id, 0.0)
                                                 + time.perf_counter() - start)
 
@@ -142,16 +144,18 @@ class WorkerSide:
 
     def _offer(self, save: Save) -> None:
         nbytes = len(save.block_ids) * self._layout.num_layers * self._layout.block_bytes
+        transfer_id = rank_transfer(save.transfer_id, self._rank, self._layout.tp_size)
+        pages, lease_id = save.pages[self._rank], save.lease_ids[self._rank]
         try:
-            self._client.offer(save.transfer_id, self._settings.pool, PageRuns.from_pages(save.pages),
+            self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
                                timeout_s=self._settings.timeout_s, verify=save.verify,
-                               lease_id=save.lease_id, release_lease=True)
+                               lease_id=lease_id, release_lease=True)
         except KvxferError as exc:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
                       "recompute", save.req_id, type(exc).__name__, exc)
-            self._release(save.lease_id)
-        self._stats.record(role="prefill", transfer_id=save.transfer_id, req_id=save.req_id,
-                           pages=len(save.pages), bytes=nbytes,
+            self._release(lease_id)
+        self._stats.record(role="prefill", transfer_id=transfer_id, req_id=save.req_id,
+                           rank=self._rank, pages=len(pages), bytes=nbytes,
                            copy_s=self._copy_out.pop(save.transfer_id, 0.0))
 
     # -- decode ------------------------------------------------------------------------------
@@ -174,14 +178,15 @@ class WorkerSide:
             except KvxferError as exc:
                 self._fail(load, f"no daemon pages for it: {type(exc).__name__}: {exc}")
                 continue
+            transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
             try:
-                self._client.pull(load.transfer_id, load.peer, self._settings.pool, lease.runs,
+                self._client.pull(transfer_id, load.peer, self._settings.pool, lease.runs,
                                   timeout_s=self._settings.timeout_s, lease_id=lease.lease_id)
             except KvxferError as exc:
                 self._release(lease.lease_id)
                 self._fail(load, f"the pull was refused: {type(exc).__name__}: {exc}")
                 continue
-            self._pending[load.transfer_id] = PendingLoad(load, lease, time.perf_counter())
+            self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter())
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see load_errors)."""
@@ -213,9 +218,10 @@ class WorkerSide:
         copy_s = time.perf_counter() - start
         self._release(pending.lease.lease_id)
         self._finished.add(load.req_id)
-        self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id, ok=True,
-                           pages=load.num_pages, bytes=info.bytes, transfer_s=transfer_s,
-                           daemon_s=info.seconds, copy_s=copy_s, verified=info.verified)
+        self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
+                           rank=self._rank, ok=True, pages=load.num_pages, bytes=info.bytes,
+                           transfer_s=transfer_s, daemon_s=info.seconds, copy_s=copy_s,
+                           verified=info.verified)
 
     def _fail(self, load: Load, why: str) -> None:
         log.error("request %s: KV load of %s failed, its blocks are reported invalid: %s",
@@ -223,7 +229,7 @@ class WorkerSide:
         self._errors.update(load.block_ids)
         self._finished.add(load.req_id)
         self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
-                           ok=False, error=why)
+                           rank=self._rank, ok=False, error=why)
 
     def take_load_errors(self) -> set[int]:
         """Blocks whose load failed since the last call (vLLM recomputes or fails them)."""
