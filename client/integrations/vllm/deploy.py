@@ -50,6 +50,35 @@ def cpu_binding(tp: int) -> str:
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
+def http_client(address: str, timeout_s: float) -> httpx.Client:
+    """An HTTP client of the server at ``http://host:port`` or ``unix:/path``."""
+    if address.startswith("unix:"):
+        transport = httpx.HTTPTransport(uds=address.removeprefix("unix:"))
+        return httpx.Client(transport=transport, base_url="http://server", timeout=timeout_s)
+    return httpx.Client(base_url=address, timeout=timeout_s)
+
+
+def wait_healthy(address: str, process: subprocess.Popen[bytes], what: str, log: Path,
+                 timeout_s: float) -> None:
+    """Wait until ``address`` answers ``/health``; raise with the log's tail if ``process``
+    exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with http_client(address, timeout_s=2) as http:
+        while True:
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+                raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail}")
+            try:
+                if http.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
+                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s:\n{tail}")
+            time.sleep(0.3)
+
+
 class VllmServer:
     """One ``vllm serve`` subprocess; a context manager that always stops it (and its children)."""
 
@@ -73,10 +102,7 @@ class VllmServer:
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
         """An HTTP client of this server."""
-        if self.address.startswith("unix:"):
-            return httpx.Client(transport=httpx.HTTPTransport(uds=self.address.removeprefix("unix:")),
-                                base_url="http://engine", timeout=timeout_s)
-        return httpx.Client(base_url=self.address, timeout=timeout_s)
+        return http_client(self.address, timeout_s)
 
     def spawn(self) -> VllmServer:
         """Start the process (``wait_ready`` waits until it serves)."""
@@ -88,21 +114,7 @@ class VllmServer:
     def wait_ready(self, timeout_s: float = 300.0) -> None:
         """Wait until ``/health`` answers; raise with the log's tail if it exits or times out."""
         assert self.process is not None
-        deadline = time.monotonic() + timeout_s
-        with self.client(timeout_s=2) as http:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n"
-                                       f"{self.log()[-4000:]}")
-                try:
-                    if http.get("/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s:\n"
-                                       f"{self.log()[-4000:]}")
-                time.sleep(0.5)
+        wait_healthy(self.address, self.process, self.name, self.log_path, timeout_s)
 
     def metric(self, sample: str) -> float:
         """One Prometheus sample of the server (``name{labels}`` as exposed; 0 if absent)."""
@@ -211,30 +223,11 @@ class Disaggregation:
                  self.prefill.address, "--decode", self.decode.address, *where],
                 stdout=log, stderr=subprocess.STDOUT)
         self._stack.callback(self._stop_proxy)
-        self._wait_proxy()
+        wait_healthy(self.proxy_address, self._proxy, "the proxy", workdir / "proxy.log", 60.0)
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
         """An HTTP client of the proxy."""
-        if self.proxy_address.startswith("unix:"):
-            transport = httpx.HTTPTransport(uds=self.proxy_address.removeprefix("unix:"))
-            return httpx.Client(transport=transport, base_url="http://proxy", timeout=timeout_s)
-        return httpx.Client(base_url=self.proxy_address, timeout=timeout_s)
-
-    def _wait_proxy(self, timeout_s: float = 60.0) -> None:
-        assert self._proxy is not None
-        deadline = time.monotonic() + timeout_s
-        with self.client(timeout_s=2) as http:
-            while True:
-                if self._proxy.poll() is not None:
-                    raise RuntimeError("the proxy exited:\n" + (self.workdir / "proxy.log").read_text())
-                try:
-                    if http.get("/health").status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the proxy is not healthy:\n" + (self.workdir / "proxy.log").read_text())
-                time.sleep(0.2)
+        return http_client(self.proxy_address, timeout_s)
 
     def _stop_proxy(self) -> None:
         if self._proxy is not None and self._proxy.poll() is None:
