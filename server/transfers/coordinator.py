@@ -73,11 +73,15 @@ class TransferCoordinator:
     async def _watch_leases(self) -> None:
         async for lease, why in self.leases.ended():
             for t in self.registry.all():
-                if t.lease_id == lease.id and not t.state.final:
+                if t.lease_id != lease.id or t.state.final:
+                    continue
+                try:
                     self.registry.finish(t, LeaseExpiredError(
                         f"transfer {t.id!r} lost its pages: lease {lease.id} of pool "
                         f"{lease.pool!r} {why} before it ended"))
                     self._tell_peer(t, f"its lease {why}")
+                except Exception:  # noqa: BLE001 - a bug here must not stop the watch
+                    log.exception("could not end transfer %s after its lease ended", t.id)
 
     # -- worker verbs ----------------------------------------------------------------------
 
