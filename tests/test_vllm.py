@@ -37,9 +37,15 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, 
     out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
-    assert out.returncode == 0, out.stderr[-6000:]
+    assert out.returncode == 0, out.stderr[-6000:] + log_tails(workdir)
     result: dict[str, Any] = json.loads(out.stdout)
     return result
+
+
+def log_tails(workdir: Path, chars: int = 3000) -> str:
+    """The end of every engine, proxy and daemon log the scenario left, for a failure message."""
+    return "".join(f"\n--- {log.relative_to(workdir)} ---\n{log.read_text(errors='replace')[-chars:]}"
+                   for log in sorted(workdir.rglob("*.log")))
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,29 @@ def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_unto
     worker.shutdown()
 
 
+def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, monkeypatch) -> None:
+    monkeypatch.setattr("kvxfer.client.integrations.vllm.worker.EXPIRY_GRACE_S", 0.0)
+    pre, dec = pair
+    params = RemotePrefill("P/never-offered", pre.peer_address, 64, LAYOUT).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+                          client=None)
+    worker = WorkerSide(settings(dec.worker_address, timeout_s=1), LAYOUT, "D")
+    kv = kv_caches(5)
+    worker.register_kv_caches(kv)
+    before = {k: v.clone() for k, v in kv.items()}
+    req = Request("orphan", 64, params)
+    sched.get_num_new_matched_tokens(req, 0)
+    sched.update_state_after_alloc(req, [8, 9], 64)
+    worker.bind(sched.build_plan({}, lambda _: []))
+    worker.start_load_kv()
+    dec.kill()
+    assert worker.get_finished() == set()  # the daemon does not answer: the load waits
+    time.sleep(1.1)
+    assert worker.get_finished() == {"orphan"} and worker.take_load_errors() == {8, 9}
+    assert all(torch.equal(kv[k], before[k]) for k in kv)
+    worker.shutdown()
+
+
 def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> None:
     pre = spawn("small", [pool_flag(LAYOUT, "kv", 2)])  # room for 2 blocks, the prompt needs 3
     with KvxferClient(pre.worker_address) as p:

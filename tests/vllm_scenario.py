@@ -46,7 +46,8 @@ def ask(http: Any, model: str, text: str, request_id: str, hints: dict[str, Any]
                     pieces.append(json.loads(line[6:])["choices"][0]["text"])
         return {"text": "".join(pieces)}
     reply = http.post("/v1/completions", json=body, headers=headers)
-    reply.raise_for_status()
+    if reply.status_code != 200:
+        raise RuntimeError(f"{request_id}: HTTP {reply.status_code}: {reply.text[:2000]}")
     answer = reply.json()
     choice = answer["choices"][0]
     return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],

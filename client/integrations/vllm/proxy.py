@@ -41,13 +41,18 @@ class Engine:
     client: httpx.AsyncClient
 
 
+#: Idle connections to engines are dropped after this long: well before vLLM's own
+#: keep-alive timeout (5 s), so the proxy never sends on a connection the engine is closing.
+KEEPALIVE_S = 2.0
+
+
 def engine(address: str, timeout_s: float) -> Engine:
     """A client of the server at ``http://host:port`` or ``unix:/path``."""
-    if address.startswith("unix:"):
-        transport = httpx.AsyncHTTPTransport(uds=address.removeprefix("unix:"))
-        return Engine(address, httpx.AsyncClient(transport=transport, base_url="http://engine",
-                                                 timeout=timeout_s))
-    return Engine(address, httpx.AsyncClient(base_url=address, timeout=timeout_s))
+    uds = address.removeprefix("unix:") if address.startswith("unix:") else None
+    transport = httpx.AsyncHTTPTransport(uds=uds, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+    base_url = "http://engine" if uds else address
+    return Engine(address, httpx.AsyncClient(transport=transport, base_url=base_url,
+                                             timeout=timeout_s))
 
 
 def _error(status: int, message: str) -> JSONResponse:

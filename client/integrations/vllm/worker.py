@@ -38,6 +38,9 @@ from kvxfer.status import LeaseInfo, TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
+#: How long past its deadline a load may stay unreported before the worker fails it itself.
+EXPIRY_GRACE_S = 10.0
+
 
 @dataclass
 class PendingLoad:
@@ -191,17 +194,37 @@ class WorkerSide:
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see load_errors)."""
         if self._pending:
-            ended = self._client.completions(self._cursor)
-            self._cursor = ended.cursor
-            infos = ended.transfers
-            if ended.missed:  # the daemon no longer keeps some endings: ask for ours
-                infos = [i for i in self._client.transfers() if i.state.final]
-            for info in infos:
-                pending = self._pending.pop(info.transfer_id, None)
-                if pending is not None:
-                    self._land(pending, info)
+            try:
+                self._poll()
+            except KvxferError as exc:  # the engine goes on; loads past their deadline fail
+                log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
+                            type(exc).__name__, exc)
+            self._expire()
         finished, self._finished = self._finished, set()
         return finished
+
+    def _poll(self) -> None:
+        ended = self._client.completions(self._cursor)
+        infos = ended.transfers
+        if ended.missed:  # the daemon no longer keeps some endings: ask for ours
+            infos = [i for i in self._client.transfers() if i.state.final]
+        self._cursor = ended.cursor
+        for info in infos:
+            pending = self._pending.pop(info.transfer_id, None)
+            if pending is not None:
+                self._land(pending, info)
+
+    def _expire(self) -> None:
+        """Fail the loads the daemon has not ended well past their deadline (it did not
+        answer, or lost them): their blocks must not wait forever."""
+        limit = self._settings.timeout_s + EXPIRY_GRACE_S
+        now = time.perf_counter()
+        for tid, pending in list(self._pending.items()):
+            if now - pending.started > limit:
+                del self._pending[tid]
+                self._abort(tid, "no ending reported by its deadline")
+                self._release(pending.lease.lease_id)
+                self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s")
 
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
