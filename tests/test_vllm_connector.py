@@ -133,54 +133,62 @@ def test_a_layout_that_differs_is_refused_naming_every_difference(pair) -> None:
     worker.shutdown()
 
 
-def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_untouched(pair) -> None:
-    pre, dec = pair
+@dataclass
+class PendingLoad:
+    """A decode engine's halves with one load in flight: a pull of a transfer never offered."""
+
+    sched: SchedulerSide
+    worker: WorkerSide
+    request: Request
+    kv: dict[str, torch.Tensor]
+    before: dict[str, torch.Tensor]
+
+    def untouched(self) -> bool:
+        return all(torch.equal(self.kv[k], self.before[k]) for k in self.kv)
+
+
+def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
+    """Start loading a 64-token prompt into blocks 8 and 9 that nobody will ever send."""
     params = RemotePrefill("P/never-offered", pre.peer_address, 64, LAYOUT).to_params()
     sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
-    worker = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
+    worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
     kv = kv_caches(4)
     worker.register_kv_caches(kv)
-    before = {k: v.clone() for k, v in kv.items()}
-    req = Request("gone", 64, params)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, [8, 9], 64)
+    request = Request(req_id, 64, params)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, [8, 9], 64)
     worker.bind(sched.build_plan({}, lambda _: []))
     worker.start_load_kv()
-    assert worker.get_finished() == set()
-    assert sched.request_finished(req) is None  # the client went away
-    worker.bind(sched.build_plan({}, lambda _: []))
-    worker.start_load_kv()
+    return PendingLoad(sched, worker, request, kv, {k: v.clone() for k, v in kv.items()})
+
+
+def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_untouched(pair) -> None:
+    pre, dec = pair
+    load = pending_load(pre, dec, "gone")
+    assert load.worker.get_finished() == set()
+    assert load.sched.request_finished(load.request) is None  # the client went away
+    load.worker.bind(load.sched.build_plan({}, lambda _: []))
+    load.worker.start_load_kv()
     with KvxferClient(dec.worker_address) as d:
         [info] = d.transfers()
         assert info.state.name == "ABORTED" and "its request ended" in info.error
         assert d.leased_pages() == {"kv": 0}
-    assert worker.get_finished() == set()
-    assert all(torch.equal(kv[k], before[k]) for k in kv)
-    worker.shutdown()
+    assert load.worker.get_finished() == set()
+    assert load.untouched()
+    load.worker.shutdown()
 
 
 def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, monkeypatch) -> None:
     monkeypatch.setattr("kvxfer.client.integrations.vllm.worker.EXPIRY_GRACE_S", 0.0)
     pre, dec = pair
-    params = RemotePrefill("P/never-offered", pre.peer_address, 64, LAYOUT).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
-                          client=None)
-    worker = WorkerSide(settings(dec.worker_address, timeout_s=1), LAYOUT, "D")
-    kv = kv_caches(5)
-    worker.register_kv_caches(kv)
-    before = {k: v.clone() for k, v in kv.items()}
-    req = Request("orphan", 64, params)
-    sched.get_num_new_matched_tokens(req, 0)
-    sched.update_state_after_alloc(req, [8, 9], 64)
-    worker.bind(sched.build_plan({}, lambda _: []))
-    worker.start_load_kv()
+    load = pending_load(pre, dec, "orphan", timeout_s=1)
     dec.kill()
-    assert worker.get_finished() == set()  # the daemon does not answer: the load waits
+    assert load.worker.get_finished() == set()  # the daemon does not answer: the load waits
     time.sleep(1.1)
-    assert worker.get_finished() == {"orphan"} and worker.take_load_errors() == {8, 9}
-    assert all(torch.equal(kv[k], before[k]) for k in kv)
-    worker.shutdown()
+    assert load.worker.get_finished() == {"orphan"} and load.worker.take_load_errors() == {8, 9}
+    assert load.untouched()
+    load.worker.shutdown()
 
 
 def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> None:
