@@ -31,7 +31,7 @@ from rich.table import Table
 
 from kvxfer.client.handoff import hand_off
 from kvxfer.client.library import AttachedPool, KvxferClient
-from kvxfer.client.spawn import LocalDaemon
+from kvxfer.client.spawn import LocalDaemon, dev_certs
 from kvxfer.pages import PageRuns
 
 stderr = Console(stderr=True)
@@ -55,6 +55,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                                          "tmpfs mounted with huge=always (default /dev/shm)")
     where.add_argument("--no-ucx-error-handling", dest="ucx_error_handling", action="store_false",
                        help="start --spawn's daemons without UCX peer error handling (see README)")
+    where.add_argument("--plaintext-peers", dest="tls", action="store_false",
+                       help="--spawn's daemons talk in plaintext (default: mutual TLS with "
+                            "certificates of a CA made for the run)")
     work = p.add_argument_group("workload")
     work.add_argument("--pages", type=int, default=128, help="pages per transfer (default 128)")
     work.add_argument("--run-length", default="1-16",
@@ -136,7 +139,9 @@ def run_bench(args: argparse.Namespace) -> int:
                 spec += f",num_pages={args.num_pages}"
             stderr.print(f"starting a prefill and a decode daemon ({args.preset}) on loopback ...")
             extra = [] if args.ucx_error_handling else ["--no-ucx-error-handling"]
-            where = {"shm_dir": args.shm_dir} if args.shm_dir else {}
+            where: dict[str, Any] = {"shm_dir": args.shm_dir} if args.shm_dir else {}
+            if args.tls:
+                where["tls"] = stack.enter_context(dev_certs("prefill", "decode"))
             try:
                 pre = stack.enter_context(LocalDaemon("prefill", [spec], extra_args=extra, **where))
                 dec = stack.enter_context(LocalDaemon("decode", [spec], extra_args=extra, **where))

@@ -141,6 +141,19 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     return run_vllm(args)
 
 
+def cmd_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvxfer.certs import LOOPBACK_HOSTS, issue_certs
+
+    hosts = tuple(args.host) or LOOPBACK_HOSTS
+    written = issue_certs(Path(args.out), args.node, hosts, days=args.days)
+    for files in written:
+        print(f"{files.name}: --peer-tls-cert {files.cert} --peer-tls-key {files.key} "
+              f"--peer-tls-ca {Path(args.out) / 'ca.pem'}")
+    return 0
+
+
 EXAMPLES = {
     "serve": "kvxfer serve --pool kv=llama8b --peer-address 0.0.0.0:7500 \\\n"
              "      --advertise-address $(hostname -i):7500 --ucx-host $(hostname -i)\n"
@@ -153,6 +166,8 @@ EXAMPLES = {
              "  kvxfer bench --prefill unix:///run/a.sock --decode unix:///run/b.sock "
              "--decode-peer 10.0.0.2:7500 --json",
     "demo": "kvxfer demo\n  kvxfer demo --model hybrid",
+    "certs": "kvxfer certs --out /etc/kvxfer/tls --node prefill-0 --node decode-0 \\\n"
+             "      --host 127.0.0.1 --host localhost",
     "vllm": ".venv-vllm/bin/kvxfer vllm\n  .venv-vllm/bin/kvxfer vllm --model /models/llama --pages 4096 --port 9000",
 }
 
@@ -210,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("pool", help="the pool's name")
     add_daemon_flags(d)
 
+    c = add("certs", "Make a CA and a certificate per node for the peer API's mutual TLS (for "
+                     "development and tests; in production use your cluster's CA). Writes "
+                     "ca.pem, ca.key, NODE.pem and NODE.key (keys owner-only) and prints each "
+                     "node's serve flags.", cmd_certs)
+    c.add_argument("--out", required=True, help="directory to write into (its CA is replaced)")
+    c.add_argument("--node", action="append", required=True,
+                   help="a node name: its certificate's identity (repeatable)")
+    c.add_argument("--host", action="append", default=[],
+                   help="an IP address or DNS name peers dial the nodes at (repeatable; "
+                        "default 127.0.0.1 and localhost)")
+    c.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+
     from kvxfer.client.bench import add_bench_flags
     from kvxfer.client.demo import add_demo_flags
 
@@ -234,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(args)
     except KvxferError as exc:
-        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}")
+        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
         return 2
 
 

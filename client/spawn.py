@@ -1,4 +1,5 @@
-"""Start and stop local daemons as subprocesses (for the demo, ``bench --spawn`` and tests)."""
+"""Start and stop local daemons as subprocesses (for the demo, ``bench --spawn`` and tests),
+with certificates for their peer APIs' mutual TLS."""
 
 from __future__ import annotations
 
@@ -9,12 +10,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvxfer.certs import issue_certs
 from kvxfer.memory import remove_stale_arenas
 from kvxfer.transport import LOOPBACK_ENV
+
+
+@contextmanager
+def dev_certs(*names: str) -> Iterator[Path]:
+    """A temporary directory with a new CA and a certificate per name (``tls`` of local
+    daemons that talk over mutual TLS); removed on exit."""
+    with tempfile.TemporaryDirectory(prefix="kvxfer-tls-") as out:
+        issue_certs(Path(out), list(names))
+        yield Path(out)
 
 
 class LocalDaemon:
@@ -24,12 +37,13 @@ class LocalDaemon:
                  env: dict[str, str] | None = None, extra_args: list[str] | None = None,
                  log_level: str = "warning", host: str = "127.0.0.1",
                  command_prefix: list[str] | None = None, shm_dir: str = "/dev/shm",
-                 metrics: bool = False) -> None:
+                 metrics: bool = False, tls: Path | None = None) -> None:
         """``host`` is the address the peer port and UCX listen on (every port is picked by
         the daemon and read back from its ready file); ``command_prefix`` wraps the command
         (e.g. ``ip netns exec NS`` to run it in a network namespace); ``shm_dir`` is where
         its CPU pools live (swept of its files if it is killed); ``metrics`` serves its
-        Prometheus metrics on a free port (``metrics_port``)."""
+        Prometheus metrics on a free port (``metrics_port``); ``tls`` is a directory made by
+        ``kvxfer certs`` with a certificate named ``name``: the peer API uses mutual TLS."""
         self.name = name
         self.shm_dir = shm_dir
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -46,7 +60,10 @@ class LocalDaemon:
             "--peer-address", f"{host}:0", "--ucx-host", host,
             "--ready-file", str(self._ready), "--log-level", log_level, "--shm-dir", shm_dir,
             *[a for p in pool_flags for a in ("--pool", p)],
-            *(["--metrics-port", "0"] if metrics else []), *(extra_args or []),
+            *(["--metrics-port", "0"] if metrics else []),
+            *(["--peer-tls-cert", str(tls / f"{name}.pem"), "--peer-tls-key",
+               str(tls / f"{name}.key"), "--peer-tls-ca", str(tls / "ca.pem")] if tls else []),
+            *(extra_args or []),
         ]
         self.env = {**os.environ, **LOOPBACK_ENV, **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None

@@ -89,6 +89,11 @@ class LeaseExpiredError(KvxferError, code="FAILED_PRECONDITION", reason="LEASE_E
     """The lease whose pages a transfer uses ended before the transfer did."""
 
 
+class PeerNotAllowedError(KvxferError, PermissionError, code="PERMISSION_DENIED",
+                          reason="PEER_NOT_ALLOWED"):
+    """The caller's certificate is valid but names no identity this daemon admits."""
+
+
 #: Every concrete error type, by its wire reason (the wire codec's lookup table).
 ERROR_TYPES: dict[str, type[KvxferError]] = {
     cls.reason: cls
@@ -97,5 +102,6 @@ ERROR_TYPES: dict[str, type[KvxferError]] = {
         IncompatibleLayoutError, AttachError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
         IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,
+        PeerNotAllowedError,
     )
 }

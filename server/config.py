@@ -172,6 +172,18 @@ class DaemonConfig(BaseSettings):
                                  "host:port for peer daemons (port 0 picks a free one)")
     advertise_address: str = _setting(
         "", "host:port peers should use to reach us, when binding 0.0.0.0 (empty: the bound one)")
+    peer_tls_cert: str = _setting(
+        "", "PEM certificate this daemon presents to peers (with --peer-tls-key and "
+            "--peer-tls-ca: mutual TLS on the peer API; kvxfer certs makes them)")
+    peer_tls_key: str = _setting("", "PEM private key of --peer-tls-cert")
+    peer_tls_ca: str = _setting(
+        "", "PEM CA certificates; a peer's certificate must be signed by one of them")
+    peer_allow: list[str] = _setting(
+        [], "with TLS, the only peer identities (certificate common or DNS names) admitted; "
+            "repeatable (empty: any certificate the CA signed)")
+    insecure_peer: bool = _setting(
+        False, "serve the peer API in plaintext on an address other machines can reach "
+               "(without it, a plaintext peer API binds only to loopback)")
     ucx_host: str = _setting("127.0.0.1", "address peers reach the UCX listeners at")
     ucx_port: int = _setting(0, "UCX listener port of data lane 0; lane i listens on PORT+i "
                                 "(0: any free ports)", "a port from 0 to 65535", **PORT)

@@ -26,8 +26,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvxfer.errors import InvalidSpecError
 from kvxfer.server.config import DaemonConfig
-from kvxfer.server.interceptors import ErrorMapping, RpcMetrics
+from kvxfer.server.interceptors import ErrorMapping, PeerAuthorization, RpcMetrics
 from kvxfer.server.leases import PageLeases
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.peer_client import PeerClients
@@ -35,6 +36,7 @@ from kvxfer.server.pools import PoolRegistry
 from kvxfer.server.servicers.peer import PeerService
 from kvxfer.server.servicers.worker import WorkerService
 from kvxfer.server.sessions import DaemonIdentity, Sessions
+from kvxfer.server.tls import PeerTls, check_peer_binding
 from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -88,14 +90,22 @@ class Daemon:
         self.config = config
         self._make_transport = make_transport
         self.metrics = DaemonMetrics()
-        interceptors = [RpcMetrics(self.metrics), ErrorMapping()]
+        self._tls = PeerTls.load(config.peer_tls_cert, config.peer_tls_key, config.peer_tls_ca)
+        check_peer_binding(config.peer_address, self._tls, config.insecure_peer)
+        if config.peer_allow and self._tls is None:
+            raise InvalidSpecError("peer_allow names certificate identities: it needs mutual "
+                                   "TLS (--peer-tls-cert, --peer-tls-key, --peer-tls-ca)")
+        interceptors: list[grpc.aio.ServerInterceptor] = [RpcMetrics(self.metrics), ErrorMapping()]
+        peer_interceptors = list(interceptors)
+        if config.peer_allow:
+            peer_interceptors.append(PeerAuthorization(frozenset(config.peer_allow)))
         self._worker_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        self._peer_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        self._peer_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=peer_interceptors)
         self._healths = [self._add_health(self._worker_server, WORKER_SERVICE),
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
         self.transport: Transport | None = None
-        self._clients = PeerClients()
+        self._clients = PeerClients(self._tls)
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None
         self._socket: Path | None = _unix_path(config.worker_address)
@@ -124,7 +134,11 @@ class Daemon:
             self._socket.parent.mkdir(parents=True, exist_ok=True)
             self._socket.unlink(missing_ok=True)
         worker_port = self._worker_server.add_insecure_port(config.worker_address)
-        peer_port = self._peer_server.add_insecure_port(config.peer_address)
+        if self._tls is None:
+            peer_port = self._peer_server.add_insecure_port(config.peer_address)
+        else:
+            peer_port = self._peer_server.add_secure_port(config.peer_address,
+                                                          self._tls.server_credentials())
         if not peer_port:
             raise OSError(f"cannot bind the peer address {config.peer_address}")
         advertise = config.advertise_address or f"{config.peer_address.rsplit(':', 1)[0]}:{peer_port}"
@@ -162,8 +176,9 @@ class Daemon:
         if config.metrics_port is not None:
             metrics_port = self.metrics.serve(config.metrics_port)
         await self._set_health(serving=True)
-        log.info("serving pools %s: workers at %s, peers at %s, UCX at %s ports %s",
-                 config.pool_names, worker_address, advertise, transport.host, transport.ports)
+        log.info("serving pools %s: workers at %s, peers at %s (%s), UCX at %s ports %s",
+                 config.pool_names, worker_address, advertise,
+                 "mutual TLS" if self._tls else "plaintext", transport.host, transport.ports)
         return Bound(os.getpid(), worker_address, advertise, transport.ports[0],
                      list(transport.ports), metrics_port)
 

@@ -1,25 +1,28 @@
-"""What every RPC of both services goes through: error mapping and per-RPC metrics.
+"""What every RPC of both services goes through: error mapping, per-RPC metrics, and on
+the peer port, authorization.
 
 ``ErrorMapping`` is the one boundary where errors become gRPC status: a
 ``kvxfer.errors`` type aborts the call with its rich status (code, message and
 an ErrorInfo naming the type, so the caller gets the same type back); anything
 else is a bug and aborts with INTERNAL, logged with its traceback. The daemon
 keeps serving either way. ``RpcMetrics`` counts every call by method and the
-status code it ended with. Both wrap unary and server-streaming handlers (the
-Watch stream too); the standard services' bidirectional streams pass through.
+status code it ended with. Both wrap every kind of method (streams too, the
+standard health and reflection services' included).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import grpc
 
-from kvxfer.errors import InternalError, KvxferError
+from kvxfer.errors import InternalError, KvxferError, PeerNotAllowedError
 from kvxfer.server.metrics import DaemonMetrics
+from kvxfer.server.tls import identities
 from kvxfer.wire.status import to_rpc_status
 
 log = logging.getLogger("kvxfer.server")
@@ -31,8 +34,17 @@ Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"  # generic in the stubs o
 Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]"
 
 
+#: gRPC's four kinds of method, and whether each answers with a stream.
+_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
 class _Wrapping(grpc.aio.ServerInterceptor):
-    """An interceptor that runs every unary and server-streaming call inside ``_around``."""
+    """An interceptor that runs every call, of every kind, inside ``_around``."""
 
     def _around(self, method: str, context: Context) -> AbstractAsyncContextManager[None]:
         raise NotImplementedError
@@ -43,31 +55,32 @@ class _Wrapping(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]
-        # The stubs type the behaviours as synchronous; on an aio server they are coroutines.
-        if handler.unary_unary is not None:
-            unary = cast(Unary, handler.unary_unary)
-
-            async def call(request: Any, context: Context) -> Any:
-                reply = None
-                async with self._around(method, context):
-                    reply = await unary(request, context)
-                return reply
-
-            return grpc.unary_unary_rpc_method_handler(
-                call, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        if handler.unary_stream is not None:
-            streaming = cast(Streaming, handler.unary_stream)
-
-            async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
-                async with self._around(method, context):
-                    async for item in streaming(request, context):
-                        yield item
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+        for kind, make, streams in _KINDS:
+            behaviour = getattr(handler, kind)
+            if behaviour is not None:
+                wrapped = self._stream(method, behaviour) if streams else self._call(method, behaviour)
+                return make(wrapped, request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
         return handler
+
+    def _call(self, method: str, behaviour: Unary) -> Unary:
+        async def call(request: Any, context: Context) -> Any:
+            reply = None
+            async with self._around(method, context):
+                reply = await behaviour(request, context)
+            return reply
+        return call
+
+    def _stream(self, method: str, behaviour: Callable[[Any, Context], Any]) -> Streaming:
+        async def stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            async with self._around(method, context):
+                answer = behaviour(request, context)
+                if inspect.isasyncgen(answer):
+                    async for item in answer:
+                        yield item
+                else:  # a coroutine that writes its answers through the context (health Watch)
+                    await answer
+        return stream
 
 
 class ErrorMapping(_Wrapping):
@@ -118,3 +131,22 @@ async def _abort(context: Context, method: str, exc: Exception) -> None:
     status = to_rpc_status(error)
     await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
 
+
+
+class PeerAuthorization(_Wrapping):
+    """Every call, of every service on the peer port, from a peer whose certificate names
+    no identity in ``allow`` ends with PERMISSION_DENIED before its handler runs."""
+
+    def __init__(self, allow: frozenset[str]) -> None:
+        self._allow = allow
+
+    @asynccontextmanager
+    async def _around(self, method: str, context: Context) -> AsyncIterator[None]:
+        names = identities(context)
+        if self._allow.isdisjoint(names):
+            who = names[0] if names else "a peer without a certificate"
+            log.warning("denied %s to %r: not in peer_allow", method, who)
+            await _abort(context, method, PeerNotAllowedError(
+                f"peer {who!r} may not call {method}: this daemon admits only the "
+                "identities in its peer_allow"))
+        yield

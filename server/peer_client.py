@@ -36,6 +36,7 @@ from kvxfer.server.peer_protocol import (
     hello_to_request,
     push_request_to_proto,
 )
+from kvxfer.server.tls import PeerTls
 from kvxfer.status import TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -120,15 +121,20 @@ class PeerClient:
 class PeerClients:
     """One cached channel (and client) per peer address."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: PeerTls | None = None) -> None:
+        self._tls = tls
         self._clients: dict[str, PeerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def get(self, address: str) -> PeerClient:
-        """The client of the peer at ``address`` (host:port)."""
+        """The client of the peer at ``address`` (host:port), over mutual TLS if configured."""
         client = self._clients.get(address)
         if client is None:
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            if self._tls is None:
+                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(address, self._tls.channel_credentials(),
+                                                  options=CHANNEL_OPTIONS)
             self._channels.append(channel)
             client = self._clients[address] = PeerClient(address, channel)
         return client

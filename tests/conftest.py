@@ -1,4 +1,5 @@
-"""Shared fixtures: the reference layout module, and hypothesis settings."""
+"""Shared fixtures: the reference layout module, daemons over mutual TLS, and hypothesis
+settings."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+import grpc
 import pytest
 from hypothesis import HealthCheck, settings
 
+from kvxfer.certs import DevCa
 from kvxfer.transport import LOOPBACK_ENV
 
 settings.register_profile(
@@ -45,14 +48,38 @@ def reference() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="session")
+def dev_ca(tmp_path_factory: pytest.TempPathFactory) -> DevCa:
+    """One CA for the test session: daemons started by ``spawn`` get certificates from it."""
+    return DevCa.create(tmp_path_factory.mktemp("tls"))
+
+
 @pytest.fixture
-def spawn(tmp_path: Path):
-    """Start ``LocalDaemon``s for one test; every one is stopped (or killed) at teardown."""
+def peer_channel(dev_ca: DevCa):
+    """Open a channel to a daemon's peer port as an authenticated peer named "tester"."""
+    files = dev_ca.issue("tester")
+
+    def open_channel(address: str) -> grpc.Channel:
+        creds = grpc.ssl_channel_credentials((dev_ca.out / "ca.pem").read_bytes(),
+                                             files.key.read_bytes(), files.cert.read_bytes())
+        return grpc.secure_channel(address, creds)
+
+    return open_channel
+
+
+@pytest.fixture
+def spawn(tmp_path: Path, dev_ca: DevCa):
+    """Start ``LocalDaemon``s for one test, their peer APIs over mutual TLS with certificates
+    of ``dev_ca`` (pass ``tls=`` to choose otherwise); every one is stopped (or killed) at
+    teardown."""
     from kvxfer.client.spawn import LocalDaemon
 
     started: list[LocalDaemon] = []
 
     def start(name: str, pools: list[str], **kwargs) -> LocalDaemon:
+        if "tls" not in kwargs:
+            dev_ca.issue(name)
+            kwargs["tls"] = dev_ca.out
         daemon = LocalDaemon(name, pools, workdir=str(tmp_path / name), **kwargs)
         started.append(daemon)
         return daemon.start()

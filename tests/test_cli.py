@@ -23,7 +23,7 @@ def kvxfer(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
 
 
 @pytest.mark.parametrize("command", ["serve", "pools", "describe", "health", "transfers", "bench", "demo",
-                                     "vllm"])
+                                     "vllm", "certs"])
 def test_every_command_explains_itself_with_an_example(command: str) -> None:
     out = kvxfer(command, "--help", timeout=60)
     assert out.returncode == 0
@@ -67,7 +67,16 @@ def test_bench_exits_nonzero_and_counts_errors_when_transfers_fail(spawn) -> Non
 def test_demo_exits_zero() -> None:
     out = kvxfer("demo")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "demo OK" in out.stdout
+    assert "demo OK" in out.stdout and "mutual TLS" in out.stdout
+
+
+def test_certs_writes_a_ca_and_node_certificates_and_prints_their_flags(tmp_path) -> None:
+    out = kvxfer("certs", "--out", str(tmp_path), "--node", "p0", "--node", "d0", timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["ca.key", "ca.pem", "d0.key", "d0.pem",
+                                                         "p0.key", "p0.pem"]
+    assert f"p0: --peer-tls-cert {tmp_path}/p0.pem --peer-tls-key {tmp_path}/p0.key " \
+           f"--peer-tls-ca {tmp_path}/ca.pem" in out.stdout
 
 
 def test_operations_against_a_daemon(spawn) -> None:

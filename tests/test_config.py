@@ -18,6 +18,7 @@ def test_the_shipped_sidecar_config_loads() -> None:
     assert config.pool_names == ["kv"]
     assert config.arenas[0].pools[0].spec.page_bytes == 2 * 2**20
     assert config.ucx_error_handling is True
+    assert config.peer_tls_cert and config.peer_tls_key and config.peer_tls_ca  # TLS by default
 
 
 def test_pool_flags_take_presets_and_overrides() -> None:

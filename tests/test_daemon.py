@@ -48,11 +48,11 @@ def all_views(views) -> list[torch.Tensor]:
     return [*views.k, *views.v, *views.latent, *views.conv, *extra]
 
 
-def test_health_is_serving_and_reflection_lists_the_services(spawn) -> None:
+def test_health_is_serving_and_reflection_lists_the_services(spawn, peer_channel) -> None:
     d = spawn("a", [TINY])
     with KvxferClient(d.worker_address) as kv:
         assert kv.health() == "SERVING"
-    with grpc.insecure_channel(d.peer_address) as channel:
+    with peer_channel(d.peer_address) as channel:
         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -60,6 +60,14 @@ def test_health_is_serving_and_reflection_lists_the_services(spawn) -> None:
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for r in responses for s in r.list_services_response.service}
     assert "kvxfer.v1.KvxferPeer" in names and "grpc.health.v1.Health" in names
+
+
+def test_health_watch_streams_through_the_interceptors(spawn) -> None:
+    d = spawn("a", [TINY])
+    with grpc.insecure_channel(d.worker_address) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
 
 
 def test_descriptor_over_grpc_rebuilds_identical_views(spawn) -> None:

@@ -5,7 +5,8 @@ The prefill daemon lives in namespace A (10.R.S.1), the decode daemon in B
 between them and the UCX data plane (forced to tcp) cross the veth link, as
 they would cross a NIC between nodes. The test client stays in the root
 namespace and reaches both daemons over their unix sockets (pathname sockets
-are not bound to a network namespace). Needs root and iproute2; skipped
+are not bound to a network namespace). The daemons talk over mutual TLS, as
+they must off loopback. Needs root and iproute2; skipped
 otherwise, with the reason.
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 from pool_checks import assert_moved, fill_random, standard_runs
 
+from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 
@@ -84,15 +86,17 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
 
 
 def namespaced_daemon(name: str, host: Host, workdir: Path) -> LocalDaemon:
+    """A daemon on ``host``'s address, its peer API over mutual TLS (``workdir/tls``)."""
     return LocalDaemon(
         name, [POOL], workdir=str(workdir / name), host=host.address,
-        command_prefix=host.exec_prefix(),
+        command_prefix=host.exec_prefix(), tls=workdir / "tls",
         env={"UCX_NET_DEVICES": host.device, "UCX_TLS": "tcp"},
     )
 
 
 def test_push_and_pull_across_a_veth_link(two_hosts, tmp_path: Path) -> None:
     a, b = two_hosts
+    issue_certs(tmp_path / "tls", ["prefill", "decode"], (a.address, b.address))
     with namespaced_daemon("prefill", a, tmp_path) as pre, namespaced_daemon("decode", b, tmp_path) as dec:
         assert pre.peer_address.startswith(a.address) and dec.peer_address.startswith(b.address)
         with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \

@@ -29,17 +29,21 @@ SMALL = "name=kv,preset=llama8b,num_pages=64"
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, dev_ca):
     """A prefill and a decode daemon with the standard pool, shared by this module's tests.
 
-    They run two UCX lanes, so every test here moves its chunks over both.
+    They run two UCX lanes, so every test here moves its chunks over both, and talk over
+    mutual TLS.
     """
     from kvxfer.client.spawn import LocalDaemon
 
     root = tmp_path_factory.mktemp("pair")
     lanes = ["--ucx-lanes", "2"]
-    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p"), extra_args=lanes) as pre, \
-            LocalDaemon("decode", [STANDARD], workdir=str(root / "d"), extra_args=lanes) as dec:
+    dev_ca.issue("prefill"), dev_ca.issue("decode")
+    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p"), extra_args=lanes,
+                     tls=dev_ca.out) as pre, \
+            LocalDaemon("decode", [STANDARD], workdir=str(root / "d"), extra_args=lanes,
+                        tls=dev_ca.out) as dec:
         with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
                 p.attach("kv") as src, d.attach("kv") as dst:
             fill_random(src, 1)
@@ -187,11 +191,11 @@ def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
             assert_moved(s_pool, r_pool, src_runs, dst_runs, before)
 
 
-def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair) -> None:
+def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair, peer_channel) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
     d.expect("ghost-pool", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
-    with grpc.insecure_channel(dec.peer_address) as channel:
+    with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
         peer.Handshake(pb.HandshakeRequest(session_id="no-pools", ucx_host="127.0.0.1",
                                            ucx_port=1, ucx_error_handling=True,
@@ -208,12 +212,12 @@ def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair) -> 
     assert p.health() == "SERVING" and d.health() == "SERVING"
 
 
-def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair) -> None:
+def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair, peer_channel) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
     d.expect("many-lanes", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
     descriptor, _ = p.describe("kv")
-    with grpc.insecure_channel(dec.peer_address) as channel:
+    with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
         peer.Handshake(pb.HandshakeRequest(session_id="greedy", ucx_host="127.0.0.1", ucx_port=1,
                                            ucx_error_handling=True, pools=[descriptor_to_proto(descriptor)],
@@ -382,12 +386,12 @@ def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
         assert metric(port, rpcs_ok("Commit")) == 1
 
 
-def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(spawn) -> None:
+def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(spawn, peer_channel) -> None:
     dec, port = spawn_with_metrics(spawn, "decode-sessions", SMALL)
     pre = spawn("prefill-sessions", [SMALL])
     sessions = "kvxfer_inbound_sessions"
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
-            grpc.insecure_channel(dec.peer_address) as channel:
+            peer_channel(dec.peer_address) as channel:
         runs = PageRuns.of([(0, 1)])
         d.expect("watched-1", "kv", runs, timeout_s=20)
         p.push("watched-1", "kv", runs, peer=dec.peer_address, timeout_s=20)

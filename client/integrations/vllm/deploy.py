@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from kvxfer.client.integrations.vllm.layout import model_pool_flag
-from kvxfer.client.spawn import LocalDaemon
+from kvxfer.client.spawn import LocalDaemon, dev_certs
 from kvxfer.transport import LOOPBACK_ENV
 
 #: What keeps an engine small on a 2-core machine: the engine core's own process only,
@@ -157,7 +157,8 @@ def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
 
 
 class Disaggregation:
-    """Two daemons, a prefill and a decode engine with the connector, and the proxy.
+    """Two daemons (talking over mutual TLS), a prefill and a decode engine with the
+    connector, and the proxy.
 
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
     ``decode_daemon_env`` is extra environment for the decode daemon (the tests' fault
@@ -195,11 +196,13 @@ class Disaggregation:
     def _start(self) -> None:
         workdir = self.workdir
         proxy_port, prefill_port, decode_port = self.ports or (None, None, None)
+        tls = self._stack.enter_context(dev_certs("prefill-daemon", "decode-daemon"))
         self.prefill_daemon = self._stack.enter_context(
-            LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True))
+            LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True,
+                        tls=tls))
         self.decode_daemon = self._stack.enter_context(
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
-                        env=self.decode_daemon_env))
+                        env=self.decode_daemon_env, tls=tls))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,

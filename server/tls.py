@@ -1,0 +1,95 @@
+"""Mutual TLS on the peer API: who may talk to this daemon, and how it dials its peers.
+
+With ``peer_tls_cert``, ``peer_tls_key`` and ``peer_tls_ca`` set, the peer
+server accepts only connections that present a client certificate signed by
+that CA (a connection without one, or with one from another CA, fails in the
+TLS handshake, before any service answers), and the daemon presents its own
+certificate when it dials peers, checking theirs against the same CA. A peer's
+identity is its certificate's common name; with ``peer_allow`` set, a peer
+whose common name and DNS names are all outside it gets PERMISSION_DENIED on
+every call of every service on the peer port (``interceptors.PeerAuthorization``).
+
+Without TLS the peer API is plaintext, which ``check_peer_binding`` allows on
+loopback only, unless the operator says ``insecure_peer``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvxfer.errors import InvalidSpecError
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _read(what: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidSpecError(f"{what}={path!r}: cannot read it: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class PeerTls:
+    """This daemon's certificate and key, and the CA its peers' certificates must chain to."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def load(cls, cert: str, key: str, ca: str) -> PeerTls | None:
+        """The PEM files, or None when none is given; InvalidSpecError when only some are,
+        or one cannot be read."""
+        given = {"peer_tls_cert": cert, "peer_tls_key": key, "peer_tls_ca": ca}
+        if not any(given.values()):
+            return None
+        missing = sorted(name for name, path in given.items() if not path)
+        if missing:
+            raise InvalidSpecError(f"mutual TLS needs peer_tls_cert, peer_tls_key and "
+                                   f"peer_tls_ca; missing {missing}")
+        return cls(_read("peer_tls_cert", cert), _read("peer_tls_key", key), _read("peer_tls_ca", ca))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serve with our certificate; require a client certificate signed by the CA."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Dial with our certificate; accept a server whose certificate the CA signed."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (of a host:port) can only be reached from this machine."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_peer_binding(peer_address: str, tls: PeerTls | None, insecure_peer: bool) -> None:
+    """Refuse a plaintext peer API on an address other machines can reach."""
+    host = peer_address.rsplit(":", 1)[0]
+    if tls is None and not insecure_peer and not is_loopback(host):
+        raise InvalidSpecError(
+            f"refusing to serve the peer API on {peer_address} without mutual TLS: give "
+            "--peer-tls-cert/--peer-tls-key/--peer-tls-ca (kvxfer certs makes them), or "
+            "--insecure-peer to accept anyone who can reach it")
+
+
+def identities(context: Context) -> list[str]:
+    """The caller's certificate names: its common name, then its DNS names (empty without TLS)."""
+    auth = context.auth_context()
+    names = [v.decode() for v in auth.get("x509_common_name", [])]
+    names += [v.decode() for v in auth.get("x509_subject_alternative_name", [])]
+    return names

@@ -1,0 +1,137 @@
+"""Mutual TLS on the peer API: only peers with a certificate from the daemon's CA, and
+only the identities it allows, reach any service there; the rightful peer's transfer
+is untouched by everyone else's attempts."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from pool_checks import assert_moved, fill_random, standard_runs
+
+from kvxfer.certs import issue_certs
+from kvxfer.client import KvxferClient
+from kvxfer.errors import InvalidSpecError, PeerNotAllowedError
+from kvxfer.server.tls import check_peer_binding
+from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.status import from_rpc_error
+
+POOL = "name=kv,preset=tiny,num_pages=64"
+
+
+def test_certs_name_the_node_and_keys_are_owner_only(tmp_path: Path) -> None:
+    [node] = issue_certs(tmp_path, ["decode-0"], ("127.0.0.1", "kv.example"))
+    cert = x509.load_pem_x509_certificate(node.cert.read_bytes())
+    assert cert.subject.rfc4514_string() == "CN=decode-0"
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["decode-0", "kv.example"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    for key in (node.key, tmp_path / "ca.key"):
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    with pytest.raises(InvalidSpecError, match="node name '../x'"):
+        issue_certs(tmp_path, ["../x"])
+
+
+def test_a_plaintext_peer_api_binds_to_loopback_only() -> None:
+    for address in ("127.0.0.1:0", "localhost:7500", "[::1]:7500"):
+        check_peer_binding(address, None, insecure_peer=False)
+    check_peer_binding("0.0.0.0:7500", None, insecure_peer=True)  # the operator's explicit choice
+    with pytest.raises(InvalidSpecError, match="--insecure-peer"):
+        check_peer_binding("0.0.0.0:7500", None, insecure_peer=False)
+
+
+def test_serve_refuses_an_open_plaintext_peer_port_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.client.cli", "serve", "--pool", POOL,
+         "--worker-address", f"unix://{tmp_path}/s.sock", "--peer-address", "0.0.0.0:0"],
+        capture_output=True, text=True, timeout=60, env={**LOOPBACK_ENV})
+    assert out.returncode == 2
+    assert "refusing to serve the peer API on 0.0.0.0:0 without mutual TLS" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+@pytest.fixture
+def tls_pair(spawn, tmp_path: Path):
+    """A prefill and a decode daemon with certificates of one CA; the decode daemon admits
+    only the identity "prefill". Also certificates for "eve" (same CA, not admitted) and
+    "mallory" (another CA), and the decode side expecting transfer "guarded"."""
+    issue_certs(tmp_path / "ca", ["prefill", "decode", "eve"])
+    issue_certs(tmp_path / "other-ca", ["mallory"])
+    pre = spawn("prefill", [POOL], tls=tmp_path / "ca")
+    dec = spawn("decode", [POOL], tls=tmp_path / "ca", extra_args=["--peer-allow", "prefill"])
+    return pre, dec, tmp_path
+
+
+def channel_as(dec, ca_dir: Path | None, name: str | None, trust: Path) -> grpc.Channel:
+    """A channel to the decode daemon's peer port: plaintext (``trust`` None), TLS without a
+    client certificate (``name`` None), or with ``name``'s certificate from ``ca_dir``."""
+    if ca_dir is None:
+        return grpc.insecure_channel(dec.peer_address)
+    key = (ca_dir / f"{name}.key").read_bytes() if name else None
+    cert = (ca_dir / f"{name}.pem").read_bytes() if name else None
+    creds = grpc.ssl_channel_credentials((trust / "ca.pem").read_bytes(), key, cert)
+    return grpc.secure_channel(dec.peer_address, creds)
+
+
+def attempt_everything(channel: grpc.Channel) -> list[grpc.StatusCode]:
+    """Health, reflection, and an abort of the guarded transfer: each call's status code."""
+    def code(call) -> grpc.StatusCode:
+        try:
+            call()
+        except grpc.RpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+    health = health_pb2_grpc.HealthStub(channel)
+    reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+    peer = pb_grpc.KvxferPeerStub(channel)
+    return [
+        code(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5)),
+        code(lambda: list(reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))),
+        code(lambda: peer.AbortTransfer(pb.AbortTransferRequest(
+            transfer_id="guarded", session_id="evil", reason="attacker"), timeout=5)),
+    ]
+
+
+def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair) -> None:
+    pre, dec, tmp = tls_pair
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 7)
+        src_runs, dst_runs = standard_runs(7, num_pages=64, pages=24)
+        before = dst.raw.clone()
+        d.expect("guarded", "kv", dst_runs, timeout_s=60)
+
+        ca, other = tmp / "ca", tmp / "other-ca"
+        strangers = {
+            "plaintext": (None, None, ca),
+            "TLS without a client certificate": (ca, None, ca),
+            "a certificate of another CA": (other, "mallory", ca),
+        }
+        for who, (ca_dir, name, trust) in strangers.items():
+            with channel_as(dec, ca_dir, name, trust) as channel:
+                assert attempt_everything(channel) == [grpc.StatusCode.UNAVAILABLE] * 3, who
+        with channel_as(dec, ca, "eve", ca) as channel:
+            assert attempt_everything(channel) == [grpc.StatusCode.PERMISSION_DENIED] * 3
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc)  # type: ignore[arg-type]
+            assert isinstance(error, PeerNotAllowedError) and "'eve'" in str(error)
+
+        [waiting] = d.transfers()
+        assert waiting.state.name == "WAITING"
+        p.push("guarded", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        sent, got = p.wait("guarded", timeout_s=60), d.wait("guarded", timeout_s=60)
+        assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+        assert_moved(src, dst, src_runs, dst_runs, before)
