@@ -21,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from kvxfer.errors import InvalidSpecError
 
 Context = grpc.aio.ServicerContext[Any, Any]
+_SPKI = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _read(what: str, path: str) -> bytes:
@@ -53,7 +56,29 @@ class PeerTls:
         if missing:
             raise InvalidSpecError(f"mutual TLS needs peer_tls_cert, peer_tls_key and "
                                    f"peer_tls_ca; missing {missing}")
-        return cls(_read("peer_tls_cert", cert), _read("peer_tls_key", key), _read("peer_tls_ca", ca))
+        tls = cls(_read("peer_tls_cert", cert), _read("peer_tls_key", key), _read("peer_tls_ca", ca))
+        tls._check(cert, key, ca)
+        return tls
+
+    def _check(self, cert_path: str, key_path: str, ca_path: str) -> None:
+        """Refuse files that are not what they claim, naming the file (gRPC would only say
+        that the port cannot be bound, or fail every handshake)."""
+        try:
+            cert = x509.load_pem_x509_certificate(self.cert)
+        except ValueError as exc:
+            raise InvalidSpecError(f"peer_tls_cert={cert_path!r}: not a PEM certificate: {exc}") from None
+        try:
+            x509.load_pem_x509_certificates(self.ca)
+        except ValueError as exc:
+            raise InvalidSpecError(f"peer_tls_ca={ca_path!r}: not PEM certificates: {exc}") from None
+        try:
+            key = serialization.load_pem_private_key(self.key, password=None)
+        except (ValueError, TypeError) as exc:
+            raise InvalidSpecError(f"peer_tls_key={key_path!r}: not an unencrypted PEM private "
+                                   f"key: {exc}") from None
+        if key.public_key().public_bytes(*_SPKI) != cert.public_key().public_bytes(*_SPKI):
+            raise InvalidSpecError(f"peer_tls_key={key_path!r} is not the key of "
+                                   f"peer_tls_cert={cert_path!r}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Serve with our certificate; require a client certificate signed by the CA."""

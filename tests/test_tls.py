@@ -4,6 +4,7 @@ is untouched by everyone else's attempts."""
 
 from __future__ import annotations
 
+import re
 import stat
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pool_checks import assert_moved, fill_random, standard_runs
 from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
 from kvxfer.errors import InvalidSpecError, PeerNotAllowedError
-from kvxfer.server.tls import check_peer_binding
+from kvxfer.server.tls import PeerTls, check_peer_binding
 from kvxfer.transport import LOOPBACK_ENV
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -39,6 +40,26 @@ def test_certs_name_the_node_and_keys_are_owner_only(tmp_path: Path) -> None:
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
     with pytest.raises(InvalidSpecError, match="node name '../x'"):
         issue_certs(tmp_path, ["../x"])
+
+
+def test_tls_files_that_are_not_what_they_claim_are_refused_by_name(tmp_path: Path) -> None:
+    a, b = issue_certs(tmp_path, ["a", "b"])
+    ca = str(tmp_path / "ca.pem")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    cases = {
+        (str(junk), str(a.key), ca): "peer_tls_cert=",
+        (str(a.cert), str(junk), ca): "peer_tls_key=",
+        (str(a.cert), str(a.key), str(junk)): "peer_tls_ca=",
+        (str(a.cert), str(b.key), ca): "is not the key of",
+        (str(a.cert), str(tmp_path / "missing.key"), ca): "cannot read it",
+        (str(a.cert), "", ca): "missing ['peer_tls_key']",
+    }
+    for files, message in cases.items():
+        with pytest.raises(InvalidSpecError, match=re.escape(message)):
+            PeerTls.load(*files)
+    assert PeerTls.load(str(a.cert), str(a.key), ca) is not None
+    assert PeerTls.load("", "", "") is None
 
 
 def test_a_plaintext_peer_api_binds_to_loopback_only() -> None:
