@@ -4,12 +4,14 @@ Both sides plan a transfer identically (``plan_chunks``: the fewest byte
 copies, cut to ``chunk_bytes``), so chunk ``i`` is the message tagged
 ``tag_base + i``. The receiver allocates the tag base; bases are unique for the
 receiver's lifetime, so a late message of one transfer can never match a
-receive of another.
+receive of another, and unguessable, so a stranger cannot aim messages at a
+transfer's receives.
 """
 
 from __future__ import annotations
 
-import random
+import hashlib
+import secrets
 
 from kvxfer.errors import InvalidRangeError
 from kvxfer.layout import PoolLayout
@@ -17,6 +19,10 @@ from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
 
 #: Low bits of a tag that number a transfer's chunks; the high bits are its base.
 CHUNK_BITS = 24
+#: Bits of a tag base, split in two halves by the tag allocator's permutation.
+BASE_BITS = 64 - CHUNK_BITS
+_HALF_BITS = BASE_BITS // 2
+_HALF_MASK = (1 << _HALF_BITS) - 1
 
 
 def plan_chunks(src_runs: PageRuns, src: PoolLayout, dst_runs: PageRuns, dst: PoolLayout,
@@ -33,13 +39,28 @@ def plan_chunks(src_runs: PageRuns, src: PoolLayout, dst_runs: PageRuns, dst: Po
 
 
 class TagAllocator:
-    """Hands out tag bases: a counter from a random start, wrapping in 64 - CHUNK_BITS bits."""
+    """Hands out tag bases that are unique and unguessable: a secret-keyed permutation of a
+    counter (a 4-round Feistel network over BASE_BITS bits, keyed BLAKE2b as its round
+    function), so no base repeats within 2**BASE_BITS calls, and a peer that saw some bases
+    cannot tell the next one (it would need the daemon's key)."""
 
-    def __init__(self, start: int | None = None) -> None:
-        self._next = random.getrandbits(64 - CHUNK_BITS) if start is None else start
+    def __init__(self, key: bytes | None = None) -> None:
+        self._key = secrets.token_bytes(32) if key is None else key
+        self._count = 0
+
+    def _round(self, index: int, half: int) -> int:
+        digest = hashlib.blake2b(bytes([index]) + half.to_bytes(4, "little"), key=self._key,
+                                 digest_size=4).digest()
+        return int.from_bytes(digest, "little") & _HALF_MASK
+
+    def _permute(self, value: int) -> int:
+        left, right = value >> _HALF_BITS, value & _HALF_MASK
+        for index in range(4):
+            left, right = right, left ^ self._round(index, right)
+        return (left << _HALF_BITS) | right
 
     def next_base(self) -> int:
-        """A tag base no earlier call returned (for 2**40 calls)."""
-        base = self._next << CHUNK_BITS
-        self._next = (self._next + 1) % (1 << (64 - CHUNK_BITS))
-        return base
+        """A tag base (its low CHUNK_BITS zero) no earlier call returned (for 2**BASE_BITS calls)."""
+        base = self._permute(self._count)
+        self._count = (self._count + 1) % (1 << BASE_BITS)
+        return base << CHUNK_BITS
