@@ -20,6 +20,8 @@ from pool_checks import assert_moved, fill_random, standard_runs
 from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
 from kvxfer.errors import InvalidSpecError, PeerNotAllowedError
+from kvxfer.server.config import load_config
+from kvxfer.server.daemon import Daemon
 from kvxfer.server.tls import PeerTls, check_peer_binding
 from kvxfer.transport import LOOPBACK_ENV
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -68,6 +70,12 @@ def test_a_plaintext_peer_api_binds_to_loopback_only() -> None:
     check_peer_binding("0.0.0.0:7500", None, insecure_peer=True)  # the operator's explicit choice
     with pytest.raises(InvalidSpecError, match="--insecure-peer"):
         check_peer_binding("0.0.0.0:7500", None, insecure_peer=False)
+
+
+def test_an_allow_list_without_tls_is_refused() -> None:
+    config = load_config(overrides={"peer_allow": ["prefill"]}, pool_flags=[POOL])
+    with pytest.raises(InvalidSpecError, match="peer_allow names certificate identities"):
+        Daemon(config)
 
 
 def test_serve_refuses_an_open_plaintext_peer_port_in_one_line(tmp_path: Path) -> None:
@@ -144,10 +152,9 @@ def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair)
                 assert attempt_everything(channel) == [grpc.StatusCode.UNAVAILABLE] * 3, who
         with channel_as(dec, ca, "eve", ca) as channel:
             assert attempt_everything(channel) == [grpc.StatusCode.PERMISSION_DENIED] * 3
-            try:
+            with pytest.raises(grpc.RpcError) as denied:
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc)  # type: ignore[arg-type]
+            error = from_rpc_error(denied.value)  # type: ignore[arg-type]
             assert isinstance(error, PeerNotAllowedError) and "'eve'" in str(error)
 
         [waiting] = d.transfers()

@@ -144,7 +144,10 @@ class SchedulerSide:
                         "the decode engine will compute its prompt", request.request_id,
                         type(exc).__name__, exc)
             for lease in leases:
-                self._client.release(lease.lease_id)
+                try:
+                    self._client.release(lease.lease_id)
+                except KvxferError:
+                    pass  # the daemon frees it when it expires (lease_s)
             return None
         verify = self._settings.verify or bool((request.kv_transfer_params or {}).get("verify"))
         return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]),
