@@ -143,12 +143,13 @@ class KvxferClient:
 
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
                timeout_s: float = 0.0, *, lease_id: str = "",
-               release_lease: bool = False) -> TransferInfo:
+               release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
         """Register destination pages for ``transfer_id`` (decode side). With ``lease_id``
-        the pages must be the lease's, and ``release_lease`` ends the lease with the transfer."""
+        the pages must be the lease's, and ``release_lease`` ends the lease with the transfer;
+        with ``peer_identity`` only the peer with that certificate name may fill them."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                               lease=_lease(lease_id, release_lease))
+                               lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
         return info_from_proto(self._call(self._stub.Expect, req))
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
@@ -162,20 +163,22 @@ class KvxferClient:
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
               verify: bool = False, *, lease_id: str = "",
-              release_lease: bool = False) -> TransferInfo:
-        """Make ``src_runs`` available for a peer's pull (prefill side)."""
+              release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
+        """Make ``src_runs`` available for a peer's pull (prefill side); with
+        ``peer_identity``, for that peer's only."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify,
-                              lease=_lease(lease_id, release_lease))
+                              lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
         return info_from_proto(self._call(self._stub.Offer, req))
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float = 0.0, *, lease_id: str = "",
-             release_lease: bool = False) -> TransferInfo:
-        """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side)."""
+             release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
+        """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side); with
+        ``peer_identity`` (that daemon's certificate name) no other peer may fill it."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                             lease=_lease(lease_id, release_lease))
+                             lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
         return info_from_proto(self._call(self._stub.Pull, req))
 
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:

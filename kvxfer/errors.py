@@ -91,7 +91,13 @@ class LeaseExpiredError(KvxferError, code="FAILED_PRECONDITION", reason="LEASE_E
 
 class PeerNotAllowedError(KvxferError, PermissionError, code="PERMISSION_DENIED",
                           reason="PEER_NOT_ALLOWED"):
-    """The caller's certificate is valid but names no identity this daemon admits."""
+    """The caller is authenticated, but may not do this: its certificate names no identity
+    this daemon admits, or the transfer belongs to another session or peer."""
+
+
+class LimitExceededError(KvxferError, code="RESOURCE_EXHAUSTED", reason="LIMIT_EXCEEDED"):
+    """A request would pass one of the daemon's bounds (sessions per peer, pending claims,
+    transfers in flight); the message names the limit."""
 
 
 #: Every concrete error type, by its wire reason (the wire codec's lookup table).
@@ -102,6 +108,6 @@ ERROR_TYPES: dict[str, type[KvxferError]] = {
         IncompatibleLayoutError, AttachError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
         IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,
-        PeerNotAllowedError,
+        PeerNotAllowedError, LimitExceededError,
     )
 }

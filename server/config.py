@@ -39,6 +39,7 @@ from pydantic_settings import (
 
 from kvxfer.errors import InvalidSpecError, KvxferError
 from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolSpec
+from kvxfer.server.limits import MIN_CHUNK_BYTES, Limits
 
 #: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -197,7 +198,8 @@ class DaemonConfig(BaseSettings):
               "memory (cma) between daemons on one node, 1.2-1.7x faster in our loopback runs, "
               "but a peer that dies mid-transfer over cma can abort this daemon: only turn it "
               "off where no peer can die uncleanly")
-    chunk_bytes: int = _setting(4 << 20, "largest UCX message in bytes", ABOVE_ZERO, gt=0)
+    chunk_bytes: int = _setting(4 << 20, "largest UCX message in bytes", "at least 4096",
+                                ge=MIN_CHUNK_BYTES)
     window_bytes: int = _setting(
         64 << 20, "bytes in flight per peer (split over its lanes), shared by its transfers in "
                   "turn; smaller lets a small transfer pass large ones sooner, at some bandwidth",
@@ -213,6 +215,16 @@ class DaemonConfig(BaseSettings):
                                     "duration (it can renew or release it sooner)", ABOVE_ZERO, gt=0)
     retain_transfers: int = _setting(
         1024, "finished transfers remembered for wait and transfers", ABOVE_ZERO, gt=0)
+    max_sessions_per_peer: int = _setting(
+        8, "sessions one peer identity may hold open to this daemon (a peer needs one; a "
+           "restarted peer briefly two)", ABOVE_ZERO, gt=0)
+    max_pending_claims: int = _setting(
+        1024, "peer calls that may wait at once for a worker's expect or offer", ABOVE_ZERO, gt=0)
+    max_active_transfers: int = _setting(
+        16384, "transfers registered here and not yet ended", ABOVE_ZERO, gt=0)
+    max_message_bytes: int = _setting(
+        4 << 20, "largest gRPC message either server accepts, in bytes", "at least 64 KiB",
+        ge=64 << 10)
     shm_dir: str = _setting(
         "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
                     "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")
@@ -243,6 +255,12 @@ class DaemonConfig(BaseSettings):
         variables, then the config file."""
         return (init_settings, env_settings,
                 YamlConfigSettingsSource(settings_cls, yaml_file=_CONFIG_FILE.get()))
+
+    @property
+    def limits(self) -> Limits:
+        """The per-daemon bounds against exhaustion."""
+        return Limits(self.max_sessions_per_peer, self.max_pending_claims,
+                      self.max_active_transfers, self.max_message_bytes)
 
     @property
     def pool_names(self) -> list[str]:

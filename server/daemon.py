@@ -53,7 +53,6 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.max_receive_message_length", 64 << 20),
 ]
 
 
@@ -99,8 +98,9 @@ class Daemon:
         peer_interceptors = list(interceptors)
         if config.peer_allow:
             peer_interceptors.append(PeerAuthorization(frozenset(config.peer_allow)))
-        self._worker_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-        self._peer_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=peer_interceptors)
+        options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes)]
+        self._worker_server = grpc.aio.server(options=options, interceptors=interceptors)
+        self._peer_server = grpc.aio.server(options=options, interceptors=peer_interceptors)
         self._healths = [self._add_health(self._worker_server, WORKER_SERVICE),
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
@@ -150,17 +150,19 @@ class Daemon:
         self.transport = transport = self._make_transport(config)
         identity = DaemonIdentity(advertise, {d.name: d for d in self.pools.descriptors()},
                                   config.ucx_error_handling)
-        self.sessions = Sessions(transport, self._clients, identity, config.heartbeat_s)
+        self.sessions = Sessions(transport, self._clients, identity, config.heartbeat_s,
+                                 config.limits)
         leases = PageLeases(self.pools, config.lease_s)
         registry = TransferRegistry(self.pools, leases, transport, self.metrics,
                                     default_timeout_s=config.default_timeout_s,
-                                    retain=config.retain_transfers)
+                                    retain=config.retain_transfers, limits=config.limits)
         sender = Sender(registry, self.sessions, transport, chunk_bytes=config.chunk_bytes,
                         window_bytes=config.window_bytes)
         receiver = Receiver(registry, self.sessions, self._clients, transport,
                             peer_address=advertise, chunk_bytes=config.chunk_bytes)
         self.transfers = TransferCoordinator(registry, leases, sender, receiver, self._clients,
-                                             peer_address=advertise)
+                                             self.sessions, peer_address=advertise,
+                                             authenticated_peers=self._tls is not None)
         self.transfers.start()
         sessions = self.sessions
         self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count)

@@ -4,7 +4,8 @@ Daemons speak ``kvxfer.v1.KvxferPeer`` to each other: a handshake opens a
 session (``DaemonHello`` both ways), a ``Claim`` asks the receiver where a
 transfer's pages go (``ClaimGrant``), a ``Commit`` closes a verified transfer,
 ``PushRequest`` starts a pull, and ``PeerAbort`` ends a transfer on the other
-side. The peer client and the peer servicer are the only users of the codec.
+side. The peer client and the peer servicer are the only users of the codec;
+decoding a request checks its ids, texts and deadlines (``kvxfer.server.limits``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import InvalidRangeError
 from kvxfer.pages import PageRuns
+from kvxfer.server.limits import MIN_CHUNK_BYTES, check_id, check_seconds, check_text
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_from_proto, runs_to_proto
 
@@ -97,10 +100,11 @@ def hello_to_request(hello: DaemonHello) -> pb.HandshakeRequest:
 
 
 def hello_from_request(msg: pb.HandshakeRequest) -> DaemonHello:
-    """Decode an opening hello (descriptors are validated)."""
+    """Decode an opening hello (ids, addresses and descriptors are validated)."""
     return DaemonHello(
-        msg.session_id, msg.ucx_host, tuple(msg.ucx_ports) or (msg.ucx_port,),
-        msg.ucx_error_handling, _pools(msg.pools), msg.peer_address,
+        check_id("session_id", msg.session_id), check_text("ucx_host", msg.ucx_host),
+        tuple(msg.ucx_ports) or (msg.ucx_port,), msg.ucx_error_handling, _pools(msg.pools),
+        check_text("peer_address", msg.peer_address),
     )
 
 
@@ -134,9 +138,13 @@ def claim_to_proto(claim: Claim) -> pb.ClaimRequest:
 
 
 def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
-    """Decode a claim (its runs are validated)."""
-    return Claim(msg.transfer_id, msg.session_id, msg.src_pool, runs_from_proto(msg.src_runs),
-                 msg.timeout_s, msg.verify, msg.chunk_bytes, msg.lanes)
+    """Decode a claim (its ids, runs, deadline and message size are validated)."""
+    if msg.chunk_bytes and msg.chunk_bytes < MIN_CHUNK_BYTES:
+        raise InvalidRangeError(f"chunk_bytes={msg.chunk_bytes}; expected 0 (the receiver's) "
+                                f"or at least {MIN_CHUNK_BYTES}")
+    return Claim(check_id("transfer_id", msg.transfer_id), check_id("session_id", msg.session_id),
+                 msg.src_pool, runs_from_proto(msg.src_runs),
+                 check_seconds("timeout_s", msg.timeout_s), msg.verify, msg.chunk_bytes, msg.lanes)
 
 
 def grant_to_proto(grant: ClaimGrant) -> pb.ClaimResponse:
@@ -157,8 +165,9 @@ def commit_to_proto(commit: Commit) -> pb.CommitRequest:
 
 
 def commit_from_proto(msg: pb.CommitRequest) -> Commit:
-    """Decode a commit."""
-    return Commit(msg.transfer_id, msg.session_id, tuple(msg.checksums))
+    """Decode a commit (its ids are validated)."""
+    return Commit(check_id("transfer_id", msg.transfer_id), check_id("session_id", msg.session_id),
+                  tuple(msg.checksums))
 
 
 def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
@@ -168,8 +177,11 @@ def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
 
 
 def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
-    """Decode a push request."""
-    return PushRequest(msg.transfer_id, msg.reply_to, msg.dst_pool, msg.timeout_s)
+    """Decode a push request (its id, address and deadline are validated)."""
+    if not msg.reply_to:
+        raise InvalidRangeError("reply_to is empty; expected the puller's peer address host:port")
+    return PushRequest(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
+                       msg.dst_pool, check_seconds("timeout_s", msg.timeout_s))
 
 
 def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:
@@ -179,5 +191,6 @@ def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:
 
 
 def abort_from_proto(msg: pb.AbortTransferRequest) -> PeerAbort:
-    """Decode an abort."""
-    return PeerAbort(msg.transfer_id, msg.session_id, msg.reason)
+    """Decode an abort (an empty session id: the transfer was not claimed yet)."""
+    return PeerAbort(check_id("transfer_id", msg.transfer_id), check_text("session_id", msg.session_id),
+                     check_text("reason", msg.reason))

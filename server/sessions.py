@@ -29,9 +29,11 @@ from typing import Any, TypeVar
 import grpc
 
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import IncompatibleLayoutError, PeerUnavailableError
+from kvxfer.errors import IncompatibleLayoutError, InvalidRangeError, PeerUnavailableError
+from kvxfer.server.limits import Limits, check_below, check_id
 from kvxfer.server.peer_client import PeerClient, PeerClients, time_left
 from kvxfer.server.peer_protocol import DaemonHello
+from kvxfer.server.tls import Caller
 from kvxfer.transport import Connection, Transport
 from kvxfer.v1 import kvxfer_pb2 as pb
 
@@ -102,8 +104,10 @@ class OutboundSession(Session):
 
 @dataclass(eq=False)
 class InboundSession(Session):
-    """A session a peer opened to send to us; ``watched`` once its Watch stream began."""
+    """A session ``caller`` opened to send to us; ``watched`` once its Watch stream began.
+    Only the same caller may use it."""
 
+    caller: Caller = Caller((), "")
     watched: bool = False
 
     @property
@@ -116,11 +120,12 @@ class Sessions:
     """Opens, accepts, watches and ends every session of this daemon."""
 
     def __init__(self, transport: Transport, clients: PeerClients, identity: DaemonIdentity,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, limits: Limits) -> None:
         self._transport = transport
         self._clients = clients
         self._identity = identity
         self._heartbeat_s = heartbeat_s
+        self._limits = limits
         self.silence_limit_s = silence_limit_s(heartbeat_s)
         self._outbound: dict[str, OutboundSession] = {}  # by peer address
         self._opening: dict[str, asyncio.Lock] = {}
@@ -213,28 +218,46 @@ class Sessions:
 
     # -- inbound ---------------------------------------------------------------------------
 
-    def accept(self, peer: DaemonHello) -> DaemonHello:
-        """A peer opens a session to send to us; our hello in reply."""
+    def accept(self, peer: DaemonHello, caller: Caller) -> DaemonHello:
+        """``caller`` opens a session to send to us; our hello in reply. A session id must
+        be new, and a caller holds at most ``limits.sessions_per_peer`` sessions."""
         if self._closing.is_set():
             raise PeerUnavailableError("this daemon is shutting down; no new sessions")
-        session = InboundSession(peer.session_id, peer)
+        check_id("session_id", peer.session_id)
+        if peer.session_id in self._inbound:
+            raise InvalidRangeError(f"session id {peer.session_id[:8]}... is in use; every "
+                                    "handshake needs a new one")
+        held = sum(1 for s in self._inbound.values() if s.caller.name == caller.name)
+        check_below("max_sessions_per_peer", held, self._limits.sessions_per_peer,
+                    f"peer {caller.name} holds sessions open here")
+        session = InboundSession(peer.session_id, peer, caller=caller)
         self._inbound[peer.session_id] = session
         asyncio.get_running_loop().call_later(self.silence_limit_s, self._drop_unwatched, session)
         return self.hello(peer.session_id)
 
-    def inbound(self, session_id: str) -> InboundSession:
-        """The live inbound session ``session_id``; raises PeerUnavailableError if unknown."""
+    def inbound(self, session_id: str, caller: Caller) -> InboundSession:
+        """The live inbound session ``session_id`` of ``caller``; PeerUnavailableError if
+        there is none (another caller's session is as unknown as a missing one)."""
         session = self._inbound.get(session_id)
-        if session is None:
+        if session is None or session.caller.name != caller.name:
             raise PeerUnavailableError(
                 f"session {session_id[:8]} is unknown; handshake first (a session is dropped "
                 f"{self.silence_limit_s:.0f} s after its handshake without a Watch stream)")
         return session
 
-    async def heartbeats(self, session_id: str) -> AsyncIterator[float]:
-        """The Watch stream of an inbound session: a heartbeat (unix time) every
+    def owns(self, session_id: str, caller: Caller) -> bool:
+        """Whether ``session_id`` is a live session of ours with ``caller``: one it opened
+        to us, or one we opened to it (whose id only that peer was told)."""
+        inbound = self._inbound.get(session_id)
+        if inbound is not None:
+            return inbound.caller.name == caller.name
+        return any(s.session_id == session_id and not s.lost.done()
+                   for s in self._outbound.values())
+
+    async def heartbeats(self, session_id: str, caller: Caller) -> AsyncIterator[float]:
+        """The Watch stream of ``caller``'s inbound session: a heartbeat (unix time) every
         ``heartbeat_s`` until this daemon closes; the session ends with the stream."""
-        session = self.inbound(session_id)
+        session = self.inbound(session_id, caller)
         session.watched = True
         try:
             while not self._closing.is_set():

@@ -112,6 +112,31 @@ def check_peer_binding(peer_address: str, tls: PeerTls | None, insecure_peer: bo
             "--insecure-peer to accept anyone who can reach it")
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling the peer API: its certificate names (none without TLS) and its host."""
+
+    names: tuple[str, ...]
+    host: str
+
+    @classmethod
+    def of(cls, context: Context) -> Caller:
+        """The caller of the call ``context`` belongs to."""
+        peer = context.peer() or ""  # "ipv4:10.0.0.7:51234", "ipv6:[::1]:51234", "unix:..."
+        host = peer.split(":", 1)[-1].rsplit(":", 1)[0] if peer.startswith("ipv") else peer
+        return cls(tuple(identities(context)), host)
+
+    @property
+    def name(self) -> str:
+        """How logs, errors and limits name the caller: its certificate's common name, or
+        without TLS its host (every plaintext caller from one host is the same peer)."""
+        return self.names[0] if self.names else f"host {self.host}"
+
+    def is_named(self, identity: str) -> bool:
+        """Whether the caller's certificate names ``identity``."""
+        return identity in self.names
+
+
 def identities(context: Context) -> list[str]:
     """The caller's certificate names: its common name, then its DNS names (empty without TLS)."""
     auth = context.auth_context()

@@ -59,7 +59,7 @@ def test_unknown_config_keys_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"chunk_bytes": 0}, r"chunk_bytes=0; expected a number above 0"),
+        ({"chunk_bytes": 0}, r"chunk_bytes=0; expected at least 4096"),
         ({"window_bytes": -1}, r"window_bytes=-1; expected a number above 0"),
         ({"ucx_lanes": 0}, r"ucx_lanes=0; expected a number above 0"),
         ({"heartbeat_s": "often"}, r"heartbeat_s='often'; expected a number above 0"),

@@ -28,6 +28,7 @@ from kvxfer.errors import (
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.peer_protocol import PeerAbort
+from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.record import TRANSITIONS
 from kvxfer.status import TransferState
 
@@ -152,7 +153,8 @@ async def a_byte_is_corrupted_on_the_wire(sender: Side, receiver: Side, network:
 
 async def the_peer_aborts_before_this_side_registers(sender: Side, receiver: Side,
                                                      network: FakeNetwork) -> None:
-    receiver.transfers.abort_from_peer(PeerAbort("ok", "", "prefill aborted first"))
+    receiver.transfers.abort_from_peer(PeerAbort("ok", "", "prefill aborted first"),
+                                       Caller((), "127.0.0.1"))
     receiver.transfers.expect("ok", "kv", DST, 10)
     got = await receiver.final("ok")
     assert isinstance(got.failure, TransferAbortedError) and "prefill aborted first" in got.error

@@ -713,10 +713,13 @@ class ExpectRequest(_message.Message):
     DST_RUNS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    PEER_IDENTITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     """the whole transfer's deadline, from now"""
+    peer_identity: _builtins.str
+    """only this peer (certificate name) may fill it; empty: any admitted"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -729,10 +732,11 @@ class ExpectRequest(_message.Message):
         dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
         timeout_s: _builtins.float = ...,
         lease: Global___LeaseUse | None = ...,
+        peer_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -789,10 +793,13 @@ class OfferRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    PEER_IDENTITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     verify: _builtins.bool
+    peer_identity: _builtins.str
+    """only this peer (certificate name) may pull it; empty: any admitted"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -806,10 +813,11 @@ class OfferRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         verify: _builtins.bool = ...,
         lease: Global___LeaseUse | None = ...,
+        peer_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -825,11 +833,14 @@ class PullRequest(_message.Message):
     DST_RUNS_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    PEER_IDENTITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
     pool: _builtins.str
     timeout_s: _builtins.float
+    peer_identity: _builtins.str
+    """the prefill daemon's certificate name: only it may fill it"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -843,10 +854,11 @@ class PullRequest(_message.Message):
         dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
         timeout_s: _builtins.float = ...,
         lease: Global___LeaseUse | None = ...,
+        peer_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

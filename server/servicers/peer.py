@@ -1,12 +1,21 @@
-"""The peer API (``kvxfer.v1.KvxferPeer``): sessions, liveness, and the transfer rendezvous."""
+"""The peer API (``kvxfer.v1.KvxferPeer``): sessions, liveness, and the transfer rendezvous.
+
+Every call is made by a ``Caller`` (its certificate names under mutual TLS), and
+every action that opens a session or touches a transfer leaves one audit line
+(logger ``kvxfer.audit``): who, what, which transfer and session, and the
+outcome: ``ok`` or the status it was refused with.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
 
+from kvxfer.errors import KvxferError
 from kvxfer.server.peer_protocol import (
     abort_from_proto,
     claim_from_proto,
@@ -17,12 +26,14 @@ from kvxfer.server.peer_protocol import (
     push_request_from_proto,
 )
 from kvxfer.server.sessions import Sessions
+from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import info_to_proto
 
 Context = grpc.aio.ServicerContext[Any, Any]
+audit = logging.getLogger("kvxfer.audit")
 
 
 def _wait_s(requested: float, context: Context) -> float:
@@ -33,6 +44,21 @@ def _wait_s(requested: float, context: Context) -> float:
     return min(requested, left) if requested else left
 
 
+@contextmanager
+def _audited(caller: Caller, action: str, transfer_id: str, session_id: str) -> Iterator[None]:
+    """One audit line for the action inside: ``ok``, or how it was refused."""
+    subject = f"peer={caller.name!r} {action} transfer={transfer_id[:80]!r} session={session_id[:8]}"
+    try:
+        yield
+    except KvxferError as exc:
+        audit.info("%s: refused %s: %s", subject, exc.code, exc)
+        raise
+    except BaseException as exc:
+        audit.info("%s: failed %s", subject, type(exc).__name__)
+        raise
+    audit.info("%s: ok", subject)
+
+
 class PeerService(pb_grpc.KvxferPeerServicer):
     """The API other kvxfer daemons call."""
 
@@ -41,26 +67,38 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         self._transfers = transfers
 
     async def Handshake(self, request: pb.HandshakeRequest, context: Context) -> pb.HandshakeResponse:
-        return hello_to_response(self._sessions.accept(hello_from_request(request)))
+        caller = Caller.of(context)
+        with _audited(caller, "handshake", "", request.session_id):
+            return hello_to_response(self._sessions.accept(hello_from_request(request), caller))
 
     async def Watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.Heartbeat]:
-        async for unix_time in self._sessions.heartbeats(request.session_id):
+        async for unix_time in self._sessions.heartbeats(request.session_id, Caller.of(context)):
             yield pb.Heartbeat(unix_time=unix_time)
 
     async def Claim(self, request: pb.ClaimRequest, context: Context) -> pb.ClaimResponse:
-        claim = claim_from_proto(request)
-        return grant_to_proto(await self._transfers.claim(claim, _wait_s(claim.timeout_s, context)))
+        caller = Caller.of(context)
+        with _audited(caller, "claim", request.transfer_id, request.session_id):
+            claim = claim_from_proto(request)
+            grant = await self._transfers.claim(claim, _wait_s(claim.timeout_s, context), caller)
+        return grant_to_proto(grant)
 
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.TransferStatus:
-        return info_to_proto(await self._transfers.commit(commit_from_proto(request)))
+        caller = Caller.of(context)
+        with _audited(caller, "commit", request.transfer_id, request.session_id):
+            info = await self._transfers.commit(commit_from_proto(request), caller)
+        return info_to_proto(info)
 
     async def RequestPush(self, request: pb.RequestPushRequest,
                           context: Context) -> pb.RequestPushResponse:
-        push = push_request_from_proto(request)
-        await self._transfers.request_push(push, _wait_s(push.timeout_s, context))
+        caller = Caller.of(context)
+        with _audited(caller, "request-push", request.transfer_id, ""):
+            push = push_request_from_proto(request)
+            await self._transfers.request_push(push, _wait_s(push.timeout_s, context), caller)
         return pb.RequestPushResponse()
 
     async def AbortTransfer(self, request: pb.AbortTransferRequest,
                             context: Context) -> pb.AbortTransferResponse:
-        self._transfers.abort_from_peer(abort_from_proto(request))
+        caller = Caller.of(context)
+        with _audited(caller, "abort", request.transfer_id, request.session_id):
+            self._transfers.abort_from_peer(abort_from_proto(request), caller)
         return pb.AbortTransferResponse()

@@ -65,7 +65,7 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Expect(self, request: pb.ExpectRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.expect(request.transfer_id, request.pool,
                                    runs_from_proto(request.dst_runs), request.timeout_s,
-                                   _lease(request.lease))
+                                   _lease(request.lease), request.peer_identity)
         return info_to_proto(t.info())
 
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.TransferStatus:
@@ -77,13 +77,13 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.offer(request.transfer_id, request.pool,
                                   runs_from_proto(request.src_runs), request.timeout_s,
-                                  request.verify, _lease(request.lease))
+                                  request.verify, _lease(request.lease), request.peer_identity)
         return info_to_proto(t.info())
 
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
                                  runs_from_proto(request.dst_runs), request.timeout_s,
-                                 _lease(request.lease))
+                                 _lease(request.lease), request.peer_identity)
         return info_to_proto(t.info())
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:

@@ -3,7 +3,9 @@
 The coordinator owns what is common to both roles: a transfer's deadline (a
 timer that ends it with DEADLINE_EXCEEDED), a transfer's lease (when the lease
 ends first, the transfer fails), ending a transfer on the other side too (an
-abort, a deadline, a shutdown tell the peer), and the shutdown itself.
+abort, a deadline, a shutdown tell the peer), who may end it from there (the
+session that claimed it; before a claim, the peer it names, or any admitted
+peer if it names none), and the shutdown itself.
 Background work it starts is tracked and awaited or cancelled at shutdown.
 """
 
@@ -19,14 +21,18 @@ from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
     LeaseExpiredError,
+    PeerNotAllowedError,
     PeerUnavailableError,
     TransferAbortedError,
     TransferDeadlineError,
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import PageLeases
+from kvxfer.server.limits import check_seconds, check_text
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
+from kvxfer.server.sessions import Sessions
+from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -56,13 +62,16 @@ class TransferCoordinator:
     """Every transfer verb of this daemon, for its workers and its peers."""
 
     def __init__(self, registry: TransferRegistry, leases: PageLeases, sender: Sender,
-                 receiver: Receiver, clients: PeerClients, *, peer_address: str) -> None:
+                 receiver: Receiver, clients: PeerClients, sessions: Sessions, *,
+                 peer_address: str, authenticated_peers: bool) -> None:
         self.registry = registry
         self.leases = leases
         self._sender = sender
         self._receiver = receiver
         self._clients = clients
+        self._sessions = sessions
         self.peer_address = peer_address
+        self._authenticated_peers = authenticated_peers
         self._background: set[asyncio.Task[None]] = set()
         self._lease_watch: asyncio.Task[None] | None = None
 
@@ -86,10 +95,11 @@ class TransferCoordinator:
     # -- worker verbs ----------------------------------------------------------------------
 
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns, timeout_s: float,
-               lease: LeaseUse = NO_LEASE) -> Transfer:
-        """Register destination pages for ``transfer_id`` (decode side)."""
+               lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
+        """Register destination pages for ``transfer_id`` (decode side), to be filled by
+        the peer named ``peer_identity`` (empty: by any admitted peer)."""
         return self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                              disjoint=True, lease=lease)
+                              disjoint=True, lease=lease, peer_identity=peer_identity)
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
              timeout_s: float, verify: bool, lease: LeaseUse = NO_LEASE) -> Transfer:
@@ -103,18 +113,21 @@ class TransferCoordinator:
         return t
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float,
-              verify: bool, lease: LeaseUse = NO_LEASE) -> Transfer:
-        """Make source pages available for a peer's ``pull`` (prefill side)."""
+              verify: bool, lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
+        """Make source pages available for the ``pull`` of the peer named ``peer_identity``
+        (empty: of any admitted peer) (prefill side)."""
         return self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
-                              verify=verify, disjoint=False, lease=lease)
+                              verify=verify, disjoint=False, lease=lease,
+                              peer_identity=peer_identity)
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
-             timeout_s: float, lease: LeaseUse = NO_LEASE) -> Transfer:
-        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side)."""
+             timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
+        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side);
+        with ``peer_identity``, only that peer's session may fill it."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                           peer=peer, disjoint=True, lease=lease)
+                           peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity)
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -122,6 +135,7 @@ class TransferCoordinator:
     async def wait(self, transfer_id: str, timeout_s: float) -> Transfer:
         """``transfer_id`` once final; TransferDeadlineError if ``timeout_s`` passes first
         (0: until its own deadline)."""
+        check_seconds("timeout_s", timeout_s)
         t = self.registry.get(transfer_id)
         try:
             await asyncio.wait_for(t.done.wait(), timeout_s or t.remaining() + 1)
@@ -133,6 +147,7 @@ class TransferCoordinator:
 
     def abort(self, transfer_id: str, reason: str) -> Transfer:
         """End ``transfer_id`` on both sides (nothing happens if it already ended)."""
+        check_text("reason", reason)
         t = self.registry.get(transfer_id)
         if not t.state.final:
             self.registry.finish(t, TransferAbortedError(
@@ -154,10 +169,16 @@ class TransferCoordinator:
 
     def _register(self, transfer_id: str, role: TransferRole, pool: str, runs: PageRuns,
                   timeout_s: float, *, verify: bool = False, peer: str = "",
-                  disjoint: bool, lease: LeaseUse) -> Transfer:
+                  disjoint: bool, lease: LeaseUse, peer_identity: str = "") -> Transfer:
+        if peer_identity and not self._authenticated_peers:
+            raise InvalidRangeError(
+                f"peer_identity={peer_identity!r} names a certificate, but this daemon's peer "
+                "API has no mutual TLS (--peer-tls-cert/--peer-tls-key/--peer-tls-ca)")
+        check_text("peer_identity", peer_identity)
         t = self.registry.register(transfer_id, role, pool, runs, timeout_s, verify=verify,
                                    peer=peer, disjoint=disjoint, lease_id=lease.lease_id,
-                                   release_lease=lease.release_lease)
+                                   release_lease=lease.release_lease,
+                                   peer_identity=peer_identity)
         if not t.state.final:
             t.timer = asyncio.get_running_loop().call_later(t.timeout_s, self._expire, t)
         return t
@@ -172,30 +193,43 @@ class TransferCoordinator:
 
     # -- peer verbs --------------------------------------------------------------------------
 
-    async def claim(self, claim: Claim, wait_s: float) -> ClaimGrant:
-        """A sender asks where a transfer goes (it waits up to ``wait_s`` for the expect)."""
-        return await self._receiver.claim(claim, wait_s or self.registry.default_timeout_s)
+    async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
+        """``caller`` asks where a transfer goes (it waits up to ``wait_s`` for the expect)."""
+        return await self._receiver.claim(claim, wait_s or self.registry.default_timeout_s, caller)
 
-    async def commit(self, commit: Commit) -> TransferInfo:
+    async def commit(self, commit: Commit, caller: Caller) -> TransferInfo:
         """A verifying sender hands over its checksums; the final status."""
-        return await self._receiver.commit(commit)
+        return await self._receiver.commit(commit, caller)
 
-    async def request_push(self, request: PushRequest, wait_s: float) -> None:
+    async def request_push(self, request: PushRequest, wait_s: float, caller: Caller) -> None:
         """A puller asks us to push an offered transfer."""
-        await self._sender.accept_push_request(request, wait_s or self.registry.default_timeout_s)
+        await self._sender.accept_push_request(
+            request, wait_s or self.registry.default_timeout_s, caller)
 
-    def abort_from_peer(self, abort: PeerAbort) -> None:
-        """The peer ended a transfer; end our side too (or remember it, if not yet here)."""
+    def abort_from_peer(self, abort: PeerAbort, caller: Caller) -> None:
+        """``caller`` ended a transfer; end our side too (or remember it, if not yet here).
+
+        A claimed transfer may be aborted only through the session that claimed it;
+        an unclaimed one only by the peer it names (any admitted peer if it names
+        none). Anything else is PeerNotAllowedError and changes nothing.
+        """
         t = self.registry.find(abort.transfer_id)
         reason = abort.reason or "no reason given"
         if t is None:
-            self.registry.remember_early_abort(abort.transfer_id, reason)
+            self.registry.remember_early_abort(abort.transfer_id, reason, caller.names)
             return
         if t.state.final:
             return
-        if t.session_id and abort.session_id and t.session_id != abort.session_id:
-            return  # a stale abort from an earlier session of this id
-        self.registry.finish(t, TransferAbortedError(f"aborted by peer {t.peer or '?'}: {reason}"))
+        if t.session_id:
+            if abort.session_id != t.session_id or not self._sessions.owns(t.session_id, caller):
+                raise PeerNotAllowedError(
+                    f"transfer {t.id!r} belongs to another session; {caller.name} (session "
+                    f"{abort.session_id[:8] or 'none'}) may not abort it")
+        elif t.peer_identity and not caller.is_named(t.peer_identity):
+            raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
+                                      f"{caller.name} may not abort it")
+        self.registry.finish(t, TransferAbortedError(f"aborted by peer {t.peer or caller.name}: "
+                                                     f"{reason}"))
 
     # -- both sides ------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from kvxfer.errors import (
     IntegrityError,
     InvalidRangeError,
     KvxferError,
+    PeerNotAllowedError,
     TransferAbortedError,
     TransferExistsError,
     TransferNotFoundError,
@@ -36,6 +37,7 @@ from kvxfer.integrity import checksum
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import InboundSession, Sessions
+from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.planning import TagAllocator, plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -63,10 +65,14 @@ class Receiver:
         self._tags = TagAllocator()
         self._corrupt = os.environ.get(FAULT_CORRUPT_ENV, "")
 
-    async def claim(self, claim: Claim, wait_s: float) -> ClaimGrant:
-        """A sender asks where ``claim.transfer_id`` goes; post the receives and answer."""
-        session = self._sessions.inbound(claim.session_id)
+    async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
+        """``caller`` asks where ``claim.transfer_id`` goes, in one of its sessions; post the
+        receives and answer. A transfer that names another peer identity is refused."""
+        session = self._sessions.inbound(claim.session_id, caller)
         t = await self._registry.rendezvous(claim.transfer_id, TransferRole.RECEIVER, wait_s, "expect")
+        if t.peer_identity and not caller.is_named(t.peer_identity):
+            raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
+                                      f"{caller.name} may not claim it")
         if t.state.final:
             raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
         if t.state != TransferState.WAITING or t.session_id:
@@ -118,12 +124,13 @@ class Receiver:
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._registry.fail(t, exc)
 
-    async def commit(self, commit: Commit) -> TransferInfo:
+    async def commit(self, commit: Commit, caller: Caller) -> TransferInfo:
         """The sender sent everything; wait for the bytes, verify, and answer with the end.
 
         Only verifying senders call this, but answering any sender works: an
         unverified transfer is already final here once its bytes arrived.
         """
+        self._sessions.inbound(commit.session_id, caller)
         t = self._registry.get(commit.transfer_id)
         if t.role != TransferRole.RECEIVER or t.session_id != commit.session_id:
             raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")

@@ -52,6 +52,8 @@ class Transfer:
 
     ``done`` is set when it reaches a final state; ``arrived`` also when its
     bytes have all landed (a receiver that still has to verify them).
+    ``peer_identity``, when set, is the only peer (by certificate name) that may
+    claim, pull, or abort it before a session has claimed it.
     """
 
     id: str
@@ -62,6 +64,7 @@ class Transfer:
     deadline: float
     verify: bool = False
     peer: str = ""
+    peer_identity: str = ""
     session_id: str = ""
     lease_id: str = ""
     release_lease: bool = False

@@ -8,7 +8,8 @@ place a transfer ends: it releases what the transfer holds (its deadline
 timer, its task, its UCX requests, its lease if it was to end with it), counts
 it and logs it for ``completions``. Finished transfers are kept for ``retain``
 registrations more, so a late ``wait`` or ``transfers`` still sees how they
-ended.
+ended. At most ``limits.active_transfers`` transfers are unfinished, and at
+most ``limits.pending_claims`` peer calls wait in ``rendezvous`` at once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvxfer.errors import (
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import PageLeases
+from kvxfer.server.limits import Limits, check_below, check_id, check_seconds
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.pools import PoolRegistry
 from kvxfer.server.transfers.completions import CompletionLog
@@ -44,7 +46,8 @@ class TransferRegistry:
     """Registers, finds, pairs up and ends this daemon's transfers."""
 
     def __init__(self, pools: PoolRegistry, leases: PageLeases, transport: Transport,
-                 metrics: DaemonMetrics, *, default_timeout_s: float, retain: int) -> None:
+                 metrics: DaemonMetrics, *, default_timeout_s: float, retain: int,
+                 limits: Limits) -> None:
         self._pools = pools
         self._leases = leases
         self.completions = CompletionLog(retain)
@@ -52,11 +55,14 @@ class TransferRegistry:
         self._metrics = metrics
         self.default_timeout_s = default_timeout_s
         self._retain = retain
+        self._limits = limits
+        self._active = 0
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
         self._waiters: defaultdict[tuple[str, TransferRole], list[asyncio.Future[Transfer]]] = (
             defaultdict(list))
-        # Ids a peer aborted before this side registered them: registering one ends it at once.
-        self._aborted_early: OrderedDict[str, str] = OrderedDict()
+        # Ids a peer aborted before this side registered them, with the reason and the
+        # aborting peer's names: registering one that peer may abort ends it at once.
+        self._aborted_early: OrderedDict[str, tuple[str, tuple[str, ...]]] = OrderedDict()
         self.accepting = True
 
     def get(self, transfer_id: str) -> Transfer:
@@ -76,18 +82,22 @@ class TransferRegistry:
 
     def register(self, transfer_id: str, role: TransferRole, pool_name: str, runs: PageRuns,
                  timeout_s: float, *, verify: bool = False, peer: str = "", disjoint: bool,
-                 lease_id: str = "", release_lease: bool = False) -> Transfer:
+                 lease_id: str = "", release_lease: bool = False,
+                 peer_identity: str = "") -> Transfer:
         """Record a new transfer (``timeout_s`` 0: the default); it may end at once if the
         peer already aborted it. With ``lease_id`` its runs must lie in that lease of the
-        same pool. Raises for a bad request, a busy id, or while shutting down."""
+        same pool. Raises for a bad request, a busy id, past ``active_transfers``, or
+        while shutting down."""
         if not self.accepting:
             raise PeerUnavailableError("this daemon is shutting down; no new transfers")
-        if not transfer_id:
-            raise InvalidRangeError("transfer_id is empty; expected the engine's request id")
-        if timeout_s < 0:
-            raise InvalidRangeError(f"timeout_s={timeout_s} must be >= 0 (0 means the default)")
+        check_id("transfer_id (the engine's request id)", transfer_id)
+        check_seconds("timeout_s (0 means the default)", timeout_s)
         pool = self._pools.get(pool_name)
         runs.check_bounds(pool.descriptor.num_pages, what=f"pool {pool_name!r} pages")
+        if runs.num_pages > pool.descriptor.num_pages:
+            raise InvalidRangeError(
+                f"runs name {runs.num_pages} pages; a transfer moves at most the "
+                f"{pool.descriptor.num_pages} pages of pool {pool_name!r}")
         if disjoint:
             runs.check_disjoint()
         if lease_id:
@@ -103,17 +113,21 @@ class TransferRegistry:
             raise TransferExistsError(
                 f"transfer {transfer_id!r} is already {old.state.name} here as "
                 f"{old.role.name}; wait for it or abort it first")
+        check_below("max_active_transfers", self._active, self._limits.active_transfers,
+                    "transfers registered here and not ended")
         timeout = timeout_s or self.default_timeout_s
         t = Transfer(transfer_id, role, pool, runs, timeout, time.monotonic() + timeout,
-                     verify=verify, peer=peer, lease_id=lease_id, release_lease=release_lease)
+                     verify=verify, peer=peer, lease_id=lease_id, release_lease=release_lease,
+                     peer_identity=peer_identity)
         self._transfers.pop(transfer_id, None)
         self._transfers[transfer_id] = t
+        self._active += 1
         self._metrics.active.labels(role.name.lower()).inc()
         self._prune()
-        if transfer_id in self._aborted_early:
-            reason = self._aborted_early.pop(transfer_id)
+        early = self._aborted_early.pop(transfer_id, None)
+        if early is not None and (not peer_identity or peer_identity in early[1]):
             self.finish(t, TransferAbortedError(
-                f"aborted by the peer before it was registered here: {reason}"))
+                f"aborted by the peer before it was registered here: {early[0]}"))
         for waiter in self._waiters.pop((transfer_id, role), []):
             if not waiter.done():
                 waiter.set_result(t)
@@ -131,10 +145,13 @@ class TransferRegistry:
         A final transfer that already had its partner is history, not a match: its id
         is being reused and the new registration is still to come.
         """
+        check_id("transfer_id", transfer_id)
         t = self._transfers.get(transfer_id)
         partnered = t is not None and bool(t.session_id if role == TransferRole.RECEIVER else t.peer)
         if t is not None and t.role == role and not (t.state.final and partnered):
             return t
+        check_below("max_pending_claims", sum(map(len, self._waiters.values())),
+                    self._limits.pending_claims, f"peer calls waiting for an {what} here")
         waiter: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         key = (transfer_id, role)
         self._waiters[key].append(waiter)
@@ -163,6 +180,7 @@ class TransferRegistry:
         if t.release_lease and self._leases.held(t.lease_id):
             self._leases.release(t.lease_id, f"its transfer {t.id!r} ended")
         self.completions.record(t)
+        self._active -= 1
         role = t.role.name.lower()
         self._metrics.active.labels(role).dec()
         self._metrics.transfers.labels(role, t.state.name.lower()).inc()
@@ -180,8 +198,9 @@ class TransferRegistry:
             exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         self.finish(t, exc)
 
-    def remember_early_abort(self, transfer_id: str, reason: str) -> None:
-        """A peer aborted ``transfer_id`` before it was registered here: end it on arrival."""
-        self._aborted_early[transfer_id] = reason
+    def remember_early_abort(self, transfer_id: str, reason: str, names: tuple[str, ...]) -> None:
+        """The peer with certificate ``names`` aborted ``transfer_id`` before it was
+        registered here: end it on arrival, unless it names another peer identity."""
+        self._aborted_early[transfer_id] = (reason, names)
         while len(self._aborted_early) > self._retain:
             self._aborted_early.popitem(last=False)

@@ -23,12 +23,14 @@ from kvxfer.errors import (
     IncompatibleLayoutError,
     InternalError,
     InvalidRangeError,
+    PeerNotAllowedError,
     TransferAbortedError,
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
 from kvxfer.server.peer_protocol import Claim, Commit, PushRequest
 from kvxfer.server.sessions import OutboundSession, Sessions
+from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.planning import plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -51,9 +53,14 @@ class Sender:
         """Push ``t`` to ``t.peer`` in the background."""
         t.task = asyncio.create_task(self._push(t), name=f"push {t.id}")
 
-    async def accept_push_request(self, request: PushRequest, wait_s: float) -> None:
-        """A puller asks us to push ``request.transfer_id`` to it once it is offered here."""
+    async def accept_push_request(self, request: PushRequest, wait_s: float,
+                                  caller: Caller) -> None:
+        """``caller`` asks us to push ``request.transfer_id`` to it once it is offered here
+        (refused if the offer names another peer identity)."""
         t = await self._registry.rendezvous(request.transfer_id, TransferRole.SENDER, wait_s, "offer")
+        if t.peer_identity and not caller.is_named(t.peer_identity):
+            raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
+                                      f"{caller.name} may not pull it")
         if t.state.final:
             raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
         if t.peer or t.task is not None:
