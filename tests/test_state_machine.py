@@ -22,6 +22,7 @@ from inprocess import Side, run, side, until
 from kvxfer.errors import (
     IncompatibleLayoutError,
     IntegrityError,
+    InvalidRangeError,
     PeerUnavailableError,
     TransferAbortedError,
     TransferDeadlineError,
@@ -227,4 +228,15 @@ def test_a_move_the_table_does_not_allow_is_refused(tmp_path: Path) -> None:
             with pytest.raises(Exception, match="cannot move from WAITING to DONE"):
                 t.advance(DONE)
             assert t.history == [W]
+    run(body)
+
+
+def test_naming_a_peer_identity_needs_mutual_tls(tmp_path: Path) -> None:
+    """Without TLS no caller has a certificate name, so a named transfer could never be
+    filled: it is refused at registration instead of timing out."""
+    async def body() -> None:
+        async with side(tmp_path, "decode", FakeNetwork()) as receiver:
+            with pytest.raises(InvalidRangeError, match="has no mutual TLS"):
+                receiver.transfers.expect("ok", "kv", DST, 10, peer_identity="prefill")
+            assert receiver.transfers.all() == []
     run(body)

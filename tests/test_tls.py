@@ -15,17 +15,20 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from peer_calls import PeerAs, channel_as, refused
 from pool_checks import assert_moved, fill_random, standard_runs
 
 from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
 from kvxfer.errors import InvalidSpecError, PeerNotAllowedError
+from kvxfer.pages import PageRuns
 from kvxfer.server.config import load_config
 from kvxfer.server.daemon import Daemon
 from kvxfer.server.tls import PeerTls, check_peer_binding
 from kvxfer.transport import LOOPBACK_ENV
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.codec import descriptor_to_proto
 from kvxfer.wire.status import from_rpc_error
 
 POOL = "name=kv,preset=tiny,num_pages=64"
@@ -100,17 +103,6 @@ def tls_pair(spawn, tmp_path: Path):
     return pre, dec, tmp_path
 
 
-def channel_as(dec, ca_dir: Path | None, name: str | None, trust: Path) -> grpc.Channel:
-    """A channel to the decode daemon's peer port: plaintext (``trust`` None), TLS without a
-    client certificate (``name`` None), or with ``name``'s certificate from ``ca_dir``."""
-    if ca_dir is None:
-        return grpc.insecure_channel(dec.peer_address)
-    key = (ca_dir / f"{name}.key").read_bytes() if name else None
-    cert = (ca_dir / f"{name}.pem").read_bytes() if name else None
-    creds = grpc.ssl_channel_credentials((trust / "ca.pem").read_bytes(), key, cert)
-    return grpc.secure_channel(dec.peer_address, creds)
-
-
 def attempt_everything(channel: grpc.Channel) -> list[grpc.StatusCode]:
     """Health, reflection, and an abort of the guarded transfer: each call's status code."""
     def code(call) -> grpc.StatusCode:
@@ -161,5 +153,55 @@ def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair)
         assert waiting.state.name == "WAITING"
         p.push("guarded", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
         sent, got = p.wait("guarded", timeout_s=60), d.wait("guarded", timeout_s=60)
+        assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+        assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_an_authenticated_peer_cannot_touch_another_sessions_or_peers_transfer(
+        spawn, tmp_path: Path) -> None:
+    ca = tmp_path / "ca"
+    issue_certs(ca, ["prefill", "decode", "eve", "tester"])
+    pre = spawn("prefill", [POOL], tls=ca)
+    dec = spawn("decode", [POOL], tls=ca)
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 11)
+        src_runs, dst_runs = standard_runs(11, num_pages=56, pages=16)  # pages 60, 61: "claimed"
+        before = dst.raw.clone()
+        pool = descriptor_to_proto(d.describe("kv")[0])
+        d.expect("named", "kv", dst_runs, timeout_s=60, peer_identity="prefill")
+        d.expect("claimed", "kv", PageRuns.of([(60, 2)]), timeout_s=60)
+        tester, eve = PeerAs(dec, ca, "tester", pool), PeerAs(dec, ca, "eve", pool)
+        try:
+            mine, evil = tester.open_session("tester-session"), eve.open_session("eve-session")
+            tester.claim("claimed", mine, PageRuns.of([(0, 2)]))
+
+            # A transfer reserved for "prefill": eve may neither claim nor abort it.
+            code, message = refused(eve.claim, "named", evil, src_runs)
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "reserved" in message
+            code, _ = refused(eve.abort, "named", "")
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            # A transfer another session claimed: not through eve's session, not with the
+            # stolen session id, not by claiming it again.
+            for session in (evil, mine, ""):
+                code, message = refused(eve.abort, "claimed", session)
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "another session" in message
+            code, _ = refused(eve.claim, "claimed", mine, PageRuns.of([(0, 2)]))
+            assert code == grpc.StatusCode.UNAVAILABLE  # someone else's session is unknown to eve
+            code, _ = refused(eve.claim, "claimed", evil, PageRuns.of([(0, 2)]))
+            assert code == grpc.StatusCode.ALREADY_EXISTS
+            code, _ = refused(eve.open_session, mine)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT  # a session id is never reused
+
+            states = {t.transfer_id: t.state.name for t in d.transfers()}
+            assert states == {"named": "WAITING", "claimed": "TRANSFERRING"}
+            tester.abort("claimed", mine)  # its own session may
+            assert d.wait("claimed", timeout_s=10).state.name == "ABORTED"
+        finally:
+            tester.close()
+            eve.close()
+
+        p.push("named", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        sent, got = p.wait("named", timeout_s=60), d.wait("named", timeout_s=60)
         assert sent.ok and got.ok and got.verified, (sent.error, got.error)
         assert_moved(src, dst, src_runs, dst_runs, before)

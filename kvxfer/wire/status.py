@@ -22,6 +22,7 @@ from kvxfer.errors import (
     ERROR_TYPES,
     InternalError,
     KvxferError,
+    LimitExceededError,
     PeerUnavailableError,
     TransferAbortedError,
     TransferDeadlineError,
@@ -34,6 +35,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvxferError]] = {
     grpc.StatusCode.UNAVAILABLE: PeerUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: TransferDeadlineError,
     grpc.StatusCode.CANCELLED: TransferAbortedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,  # gRPC's own message-size limit
 }
 _CODES_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -1,0 +1,70 @@
+"""Peer-API calls made by hand, as a daemon (or an impostor) would make them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from kvxfer.pages import PageRuns
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+ONE_PAGE = PageRuns.of([(0, 1)])
+
+
+def channel_as(dec: Any, ca_dir: Path | None, name: str | None, trust: Path) -> grpc.Channel:
+    """A channel to the decode daemon's peer port: plaintext (``trust`` None), TLS without a
+    client certificate (``name`` None), or with ``name``'s certificate from ``ca_dir``."""
+    if ca_dir is None:
+        return grpc.insecure_channel(dec.peer_address)
+    key = (ca_dir / f"{name}.key").read_bytes() if name else None
+    cert = (ca_dir / f"{name}.pem").read_bytes() if name else None
+    creds = grpc.ssl_channel_credentials((trust / "ca.pem").read_bytes(), key, cert)
+    return grpc.secure_channel(dec.peer_address, creds)
+
+
+class PeerAs:
+    """A hand-driven peer with ``name``'s certificate: it opens sessions and makes peer
+    calls like a daemon would, but never sends a byte."""
+
+    def __init__(self, dec: Any, ca_dir: Path, name: str, pool: pb.PoolDescriptor) -> None:
+        self.channel = channel_as(dec, ca_dir, name, ca_dir)
+        self.stub = pb_grpc.KvxferPeerStub(self.channel)
+        self._pool = pool
+        self._watches: list[grpc.Future] = []
+
+    def open_session(self, session_id: str) -> str:
+        self.stub.Handshake(pb.HandshakeRequest(
+            session_id=session_id, ucx_host="127.0.0.1", ucx_ports=[1], ucx_error_handling=True,
+            pools=[self._pool], peer_address="127.0.0.1:1"), timeout=5)
+        self._watches.append(self.stub.Watch(pb.WatchRequest(session_id=session_id)))
+        return session_id
+
+    def claim_request(self, transfer_id: str, session_id: str,
+                      runs: PageRuns = ONE_PAGE) -> pb.ClaimRequest:
+        return pb.ClaimRequest(
+            transfer_id=transfer_id, session_id=session_id, src_pool=self._pool.name,
+            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()], timeout_s=5)
+
+    def claim(self, transfer_id: str, session_id: str, runs: PageRuns) -> pb.ClaimResponse:
+        return self.stub.Claim(self.claim_request(transfer_id, session_id, runs), timeout=10)
+
+    def abort(self, transfer_id: str, session_id: str) -> None:
+        self.stub.AbortTransfer(pb.AbortTransferRequest(
+            transfer_id=transfer_id, session_id=session_id, reason=f"by {session_id}"), timeout=5)
+
+    def close(self) -> None:
+        for watch in self._watches:
+            watch.cancel()
+        self.channel.close()
+
+
+def refused(call: Callable[..., Any], *args: Any) -> tuple[grpc.StatusCode, str]:
+    """The status code and message ``call(*args)`` failed with (it must fail)."""
+    with pytest.raises(grpc.RpcError) as failed:
+        call(*args)
+    return failed.value.code(), failed.value.details()  # type: ignore[attr-defined]
