@@ -108,12 +108,15 @@ class Arena:
             self._mmap = None
 
 
-def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/shm") -> Arena:
-    """Allocate a zeroed buffer of ``size_bytes`` on ``device`` ("cpu" or "cuda:N")."""
+def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/shm",
+                 group: int | None = None) -> Arena:
+    """Allocate a zeroed buffer of ``size_bytes`` on ``device`` ("cpu" or "cuda:N"). A CPU
+    buffer's file is the owner's only (mode 0600), or with ``group`` (a gid) that group's
+    too (0660)."""
     if size_bytes <= 0:
         raise InvalidSpecError(f"arena {name!r} size_bytes={size_bytes} must be positive")
     if device == "cpu":
-        return _create_shm(name, size_bytes, shm_dir)
+        return _create_shm(name, size_bytes, shm_dir, group)
     if device.startswith("cuda"):
         return _create_cuda(name, size_bytes, device)
     raise InvalidSpecError(f"device={device!r} is not supported; expected 'cpu' or 'cuda:N'")
@@ -122,7 +125,7 @@ def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/s
 SHM_PREFIX = "kvxfer-"
 
 
-def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
+def _create_shm(name: str, size_bytes: int, shm_dir: str, group: int | None) -> Arena:
     token = f"{os.getpid()}-{name}-{secrets.token_hex(4)}"
     # Created and locked under a name the stale-file sweep ignores, then renamed:
     # a sweep running in another daemon can never take a file that is being born.
@@ -136,6 +139,9 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str) -> Arena:
             f"shm_dir must be an existing, writable tmpfs directory such as /dev/shm"
         ) from None
     try:
+        if group is not None:
+            os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o660)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Reserve the memory now: a full /dev/shm fails here with ENOSPC, not later
         # with SIGBUS in the middle of a transfer.

@@ -63,6 +63,7 @@ class TransferInfo:
     created_unix: float
     data_seconds: float
     lanes: int
+    timeout_s: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -225,6 +225,9 @@ class DaemonConfig(BaseSettings):
     max_message_bytes: int = _setting(
         4 << 20, "largest gRPC message either server accepts, in bytes", "at least 64 KiB",
         ge=64 << 10)
+    worker_group: str = _setting(
+        "", "a group whose members may use the worker socket and map the pools (both become "
+            "mode 0660 and that group; the daemon must belong to it). Empty: owner only, 0600")
     shm_dir: str = _setting(
         "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
                     "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")

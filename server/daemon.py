@@ -13,6 +13,7 @@ SIGTERM/SIGINT.
 from __future__ import annotations
 
 import asyncio
+import grp
 import json
 import logging
 import os
@@ -56,6 +57,24 @@ SERVER_OPTIONS = [
 ]
 
 
+class _LateAnswerFilter(logging.Filter):
+    """gRPC core logs an ERROR with a traceback when a handler answers a call whose caller
+    already went away (its deadline passed or it cancelled: grpc/grpc#32551); nothing is
+    wrong with the daemon then. Such records become one INFO line without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.levelno >= logging.ERROR and text.startswith("ExecuteBatchError raised in core"):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            method = text[text.find("[") + 1:text.rfind("]")] or "a call"
+            record.msg, record.args = f"answer dropped: the caller of {method} went away", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+_LATE_ANSWERS = _LateAnswerFilter()
+
+
 @dataclass(frozen=True)
 class Bound:
     """Where a started daemon listens (what its ready file says)."""
@@ -81,6 +100,16 @@ def _unix_path(address: str) -> Path | None:
     return None
 
 
+def _gid(group: str) -> int | None:
+    """The id of ``worker_group`` (a name or a number), or None when empty."""
+    if not group:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid if not group.isdigit() else grp.getgrgid(int(group)).gr_gid
+    except KeyError:
+        raise InvalidSpecError(f"worker_group={group!r} is not a group on this machine") from None
+
+
 class Daemon:
     """One kvxfer daemon: pools, data plane, transfers, sessions and two gRPC servers."""
 
@@ -88,6 +117,7 @@ class Daemon:
                  make_transport: Callable[[DaemonConfig], Transport] = ucx_transport) -> None:
         self.config = config
         self._make_transport = make_transport
+        logging.getLogger("grpc._cython.cygrpc").addFilter(_LATE_ANSWERS)
         self.metrics = DaemonMetrics()
         self._tls = PeerTls.load(config.peer_tls_cert, config.peer_tls_key, config.peer_tls_ca)
         check_peer_binding(config.peer_address, self._tls, config.insecure_peer)
@@ -109,6 +139,7 @@ class Daemon:
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None
         self._socket: Path | None = _unix_path(config.worker_address)
+        self._group = _gid(config.worker_group)
 
     @staticmethod
     def _add_health(server: grpc.aio.Server, service: str) -> health.aio.HealthServicer:
@@ -146,7 +177,7 @@ class Daemon:
         if self._socket is None:
             worker_address = f"{config.worker_address.rsplit(':', 1)[0]}:{worker_port}"
 
-        self.pools = PoolRegistry(config.arenas, config.shm_dir)
+        self.pools = PoolRegistry(config.arenas, config.shm_dir, self._group)
         self.transport = transport = self._make_transport(config)
         identity = DaemonIdentity(advertise, {d.name: d for d in self.pools.descriptors()},
                                   config.ucx_error_handling)
@@ -173,7 +204,9 @@ class Daemon:
         await self._worker_server.start()
         await self._peer_server.start()
         if self._socket is not None:
-            os.chmod(self._socket, 0o600)
+            if self._group is not None:
+                os.chown(self._socket, -1, self._group)
+            os.chmod(self._socket, 0o600 if self._group is None else 0o660)
         metrics_port = None
         if config.metrics_port is not None:
             metrics_port = self.metrics.serve(config.metrics_port)

@@ -41,7 +41,8 @@ class Pool:
 class PoolRegistry:
     """Allocates every configured arena and indexes its pools by name."""
 
-    def __init__(self, arenas: tuple[ArenaConfig, ...], shm_dir: str = "/dev/shm") -> None:
+    def __init__(self, arenas: tuple[ArenaConfig, ...], shm_dir: str = "/dev/shm",
+                 group: int | None = None) -> None:
         self._arenas: list[Arena] = []
         self._pools: dict[str, Pool] = {}
         if any(cfg.device == "cpu" for cfg in arenas) and Path(shm_dir).is_dir():
@@ -51,7 +52,7 @@ class PoolRegistry:
         try:
             for cfg in arenas:
                 layouts, size = pack_arena([p.spec for p in cfg.pools])
-                arena = create_arena(cfg.name, size, cfg.device, shm_dir)
+                arena = create_arena(cfg.name, size, cfg.device, shm_dir, group)
                 self._arenas.append(arena)
                 for pool_cfg, layout in zip(cfg.pools, layouts):
                     desc = PoolDescriptor(pool_cfg.name, layout)

@@ -258,6 +258,9 @@ class Sessions:
         """The Watch stream of ``caller``'s inbound session: a heartbeat (unix time) every
         ``heartbeat_s`` until this daemon closes; the session ends with the stream."""
         session = self.inbound(session_id, caller)
+        if session.watched:
+            raise InvalidRangeError(f"session {session_id[:8]} is already watched; a session "
+                                    "has one Watch stream, opened right after its handshake")
         session.watched = True
         try:
             while not self._closing.is_set():

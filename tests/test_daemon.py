@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import grp
 import json
+import logging
 import os
 import signal
 import stat
@@ -127,6 +129,37 @@ def test_sigterm_exits_zero_and_leaves_no_shared_memory(spawn) -> None:
     assert not shm.exists() and not sock.exists()
 
 
+def _a_group_to_share_with() -> grp.struct_group | None:
+    """A group other than our primary one that the daemon may give its files to."""
+    usable = {g.gr_gid for g in grp.getgrall()} if os.geteuid() == 0 else set(os.getgroups())
+    others = sorted(usable - {os.getgid()})
+    return grp.getgrgid(others[0]) if others else None
+
+
+def test_a_worker_group_gets_the_socket_and_the_pools(spawn) -> None:
+    """Documented in the README's Security section: with --worker-group the socket and the
+    shared memory are mode 0660 and that group's, so workers under other uids in it attach."""
+    group = _a_group_to_share_with()
+    if group is None:
+        pytest.skip("this user belongs to no group but its primary one")
+    d = spawn("a", [TINY], extra_args=["--worker-group", group.gr_name])
+    with KvxferClient(d.worker_address) as kv:
+        _, memory = kv.describe("kv")
+    for path in (Path(memory.shm.path), Path(d.worker_address[len("unix://"):])):
+        st = path.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, group.gr_gid), path
+
+
+def test_an_unknown_worker_group_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer.client.cli", "serve", "--pool", TINY,
+         "--worker-address", f"unix://{tmp_path}/s.sock", "--worker-group", "no-such-group-x"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **LOOPBACK_ENV})
+    assert out.returncode == 2
+    assert "worker_group='no-such-group-x' is not a group on this machine" in out.stdout
+    assert "Traceback" not in out.stdout + out.stderr
+
+
 def test_a_killed_daemons_shared_memory_is_removed_by_the_next_daemon(spawn, tmp_path: Path) -> None:
     # A directory of their own: another test's daemon starting in /dev/shm meanwhile would
     # sweep the killed daemon's file before daemon c could.
@@ -201,3 +234,22 @@ def test_a_bad_config_fails_fast_with_a_clear_message(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "missing fields" in out.stdout + out.stderr
+
+
+def test_grpcs_error_for_an_answer_to_a_caller_that_left_becomes_one_info_line() -> None:
+    """A handler that answers just after its caller's deadline makes gRPC core log an
+    ERROR with a traceback (seen in the fuzz run); the daemon says it in one INFO line."""
+    from kvxfer.server.daemon import _LATE_ANSWERS
+
+    try:
+        raise RuntimeError("Failed execute_batch")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "server.pyx", 1,
+                               "ExecuteBatchError raised in core by servicer method [%s]",
+                               ("/kvxfer.v1.KvxferPeer/Claim",), exc_info)
+    assert _LATE_ANSWERS.filter(record)
+    assert (record.levelname, record.exc_info) == ("INFO", None)
+    assert record.getMessage() == "answer dropped: the caller of /kvxfer.v1.KvxferPeer/Claim went away"
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "something else", (), None)
+    assert _LATE_ANSWERS.filter(other) and other.levelname == "ERROR"

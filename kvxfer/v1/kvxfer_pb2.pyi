@@ -491,6 +491,7 @@ class TransferStatus(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _builtins.int
     DATA_SECONDS_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     role: Global___TransferRole.ValueType
     state: Global___TransferState.ValueType
@@ -509,6 +510,8 @@ class TransferStatus(_message.Message):
     """from posting this side's UCX messages to the last one completing"""
     lanes: _builtins.int
     """UCX data lanes the chunks were spread over (0 before they were)"""
+    timeout_s: _builtins.float
+    """its deadline, from when it was registered"""
     @_builtins.property
     def error(self) -> _status_pb2.Status:
         """Why the transfer did not succeed (unset when it did, or has not ended): the
@@ -534,10 +537,11 @@ class TransferStatus(_message.Message):
         created_unix: _builtins.float = ...,
         data_seconds: _builtins.float = ...,
         lanes: _builtins.int = ...,
+        timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_done", b"bytes_done", "created_unix", b"created_unix", "data_seconds", b"data_seconds", "error", b"error", "extents", b"extents", "lanes", b"lanes", "pages", b"pages", "peer", b"peer", "pool", b"pool", "role", b"role", "seconds", b"seconds", "state", b"state", "transfer_id", b"transfer_id", "verified", b"verified"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_done", b"bytes_done", "created_unix", b"created_unix", "data_seconds", b"data_seconds", "error", b"error", "extents", b"extents", "lanes", b"lanes", "pages", b"pages", "peer", b"peer", "pool", b"pool", "role", b"role", "seconds", b"seconds", "state", b"state", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verified", b"verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -204,7 +204,7 @@ def info_to_proto(info: TransferInfo) -> pb.TransferStatus:
         pool=info.pool, peer=info.peer, pages=info.pages, bytes=info.bytes,
         bytes_done=info.bytes_done, extents=info.extents, seconds=info.seconds,
         verified=info.verified, created_unix=info.created_unix, data_seconds=info.data_seconds,
-        lanes=info.lanes,
+        lanes=info.lanes, timeout_s=info.timeout_s,
     )
     if info.failure is not None:
         msg.error.CopyFrom(to_status(info.failure))
@@ -219,5 +219,5 @@ def info_from_proto(msg: pb.TransferStatus) -> TransferInfo:
         extents=msg.extents, seconds=msg.seconds,
         failure=from_status(msg.error) if msg.HasField("error") else None,
         verified=msg.verified, created_unix=msg.created_unix, data_seconds=msg.data_seconds,
-        lanes=msg.lanes,
+        lanes=msg.lanes, timeout_s=msg.timeout_s,
     )

@@ -138,5 +138,5 @@ class Transfer:
             peer=self.peer, pages=self.runs.num_pages, bytes=self.bytes_total,
             bytes_done=self.bytes_done, extents=len(self.chunks), seconds=seconds,
             failure=self.error, verified=self.verified, created_unix=self.created_unix,
-            data_seconds=data_seconds, lanes=self.lanes,
+            data_seconds=data_seconds, lanes=self.lanes, timeout_s=self.timeout_s,
         )
