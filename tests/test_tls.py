@@ -104,7 +104,8 @@ def tls_pair(spawn, tmp_path: Path):
 
 
 def attempt_everything(channel: grpc.Channel) -> list[grpc.StatusCode]:
-    """Health, reflection, and an abort of the guarded transfer: each call's status code."""
+    """Health, reflection, a handshake, and an abort of the guarded transfer: each call's
+    status code."""
     def code(call) -> grpc.StatusCode:
         try:
             call()
@@ -119,6 +120,8 @@ def attempt_everything(channel: grpc.Channel) -> list[grpc.StatusCode]:
         code(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5)),
         code(lambda: list(reflect.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))),
+        code(lambda: peer.Handshake(pb.HandshakeRequest(
+            session_id="evil", ucx_host="127.0.0.1", ucx_ports=[1]), timeout=5)),
         code(lambda: peer.AbortTransfer(pb.AbortTransferRequest(
             transfer_id="guarded", session_id="evil", reason="attacker"), timeout=5)),
     ]
@@ -141,9 +144,9 @@ def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair)
         }
         for who, (ca_dir, name, trust) in strangers.items():
             with channel_as(dec, ca_dir, name, trust) as channel:
-                assert attempt_everything(channel) == [grpc.StatusCode.UNAVAILABLE] * 3, who
+                assert attempt_everything(channel) == [grpc.StatusCode.UNAVAILABLE] * 4, who
         with channel_as(dec, ca, "eve", ca) as channel:
-            assert attempt_everything(channel) == [grpc.StatusCode.PERMISSION_DENIED] * 3
+            assert attempt_everything(channel) == [grpc.StatusCode.PERMISSION_DENIED] * 4
             with pytest.raises(grpc.RpcError) as denied:
                 health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
             error = from_rpc_error(denied.value)  # type: ignore[arg-type]
