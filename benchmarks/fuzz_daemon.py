@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,10 +211,10 @@ def call(channel: grpc.Channel, method: MethodDescriptor, request: Message) -> s
     path = f"/{method.containing_service.full_name}/{method.name}"
     response = GetMessageClass(method.output_type).FromString
     try:
-        if method.server_streaming:
-            stream = channel.unary_stream(path, request_serializer=_serialize,
-                                          response_deserializer=response)
-            replies = stream(request, timeout=CALL_TIMEOUT_S)
+        if method.server_streaming:  # Watch: one request, then wait for one reply
+            stream = channel.stream_stream(path, request_serializer=_serialize,
+                                           response_deserializer=response)
+            replies = stream(iter([request]), timeout=CALL_TIMEOUT_S)
             try:
                 next(replies)
             finally:
@@ -232,6 +233,13 @@ def call(channel: grpc.Channel, method: MethodDescriptor, request: Message) -> s
             raise Violation(f"{method.name}: {code.name} {details!r} for {_short(request)}") from None
         return code.name
     return "OK"
+
+
+def beats(session_id: str, stop: threading.Event) -> Iterator[pb.WatchRequest]:
+    """The fuzzer's side of its own session's Watch stream: the session, then beats."""
+    yield pb.WatchRequest(session_id=session_id)
+    while not stop.wait(0.5):
+        yield pb.WatchRequest(unix_time=time.time())
 
 
 def _serialize(msg: Message) -> bytes:
@@ -313,10 +321,11 @@ def fuzz(count: int, seed: int, workdir: Path) -> dict[str, Any]:
         peer.unary_unary("/kvxfer.v1.KvxferPeer/Handshake",
                          request_serializer=_serialize,
                          response_deserializer=pb.HandshakeResponse.FromString)(own, timeout=5)
-        watch = peer.unary_stream("/kvxfer.v1.KvxferPeer/Watch",
-                                  request_serializer=_serialize,
-                                  response_deserializer=pb.Heartbeat.FromString)(
-            pb.WatchRequest(session_id=session_id))
+        stop_beating = threading.Event()
+        watch = peer.stream_stream("/kvxfer.v1.KvxferPeer/Watch",
+                                   request_serializer=_serialize,
+                                   response_deserializer=pb.Heartbeat.FromString)(
+            beats(session_id, stop_beating))
 
         codes: Counter[str] = Counter()
         by_method: Counter[str] = Counter()
@@ -346,6 +355,7 @@ def fuzz(count: int, seed: int, workdir: Path) -> dict[str, Any]:
         seconds = time.monotonic() - started
         alongside.stop.set()
         alongside.join(60)
+        stop_beating.set()
         watch.cancel()
         peer.close()
         worker.close()

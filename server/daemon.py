@@ -51,7 +51,6 @@ log = logging.getLogger("kvxfer.server")
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Kvxfer"].full_name
 PEER_SERVICE = pb.DESCRIPTOR.services_by_name["KvxferPeer"].full_name
 SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
@@ -129,8 +128,10 @@ class Daemon:
         if config.peer_allow:
             peer_interceptors.append(PeerAuthorization(frozenset(config.peer_allow)))
         options = [*SERVER_OPTIONS, ("grpc.max_receive_message_length", config.max_message_bytes)]
-        self._worker_server = grpc.aio.server(options=options, interceptors=interceptors)
-        self._peer_server = grpc.aio.server(options=options, interceptors=peer_interceptors)
+        self._worker_server = grpc.aio.server(
+            options=[*options, ("grpc.keepalive_time_ms", 10_000)], interceptors=interceptors)
+        self._peer_server = grpc.aio.server(
+            options=[*options, ("grpc.keepalive_time_ms", 10_000)], interceptors=peer_interceptors)
         self._healths = [self._add_health(self._worker_server, WORKER_SERVICE),
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None

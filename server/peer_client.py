@@ -69,6 +69,25 @@ def time_left(deadline: float, slack_s: float = 0.0) -> float:
     return max(MIN_CALL_S, deadline - time.monotonic() + slack_s)
 
 
+class WatchStream:
+    """A session's heartbeat stream as its sender holds it: our beats out, the peer's in."""
+
+    def __init__(self, call: grpc.aio.StreamStreamCall[pb.WatchRequest, pb.Heartbeat]) -> None:
+        self._call = call
+
+    async def beat(self) -> None:
+        """Send one heartbeat (raises grpc.aio.AioRpcError once the stream failed)."""
+        await self._call.write(pb.WatchRequest(unix_time=time.time()))
+
+    async def peer_beat(self) -> bool:
+        """Wait for the peer's next heartbeat; False when the peer ended the stream."""
+        return await self._call.read() is not grpc.aio.EOF
+
+    def cancel(self) -> None:
+        """End the stream (and with it the session, on both sides)."""
+        self._call.cancel()
+
+
 class PeerClient:
     """The KvxferPeer service of one peer daemon, with typed arguments, results and errors."""
 
@@ -90,9 +109,15 @@ class PeerClient:
                                  "handshake failed: ")
         return hello_from_response(reply)
 
-    def watch(self, session_id: str) -> grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.Heartbeat]:
-        """The session's heartbeat stream (read it; cancel it to close the session)."""
-        return self._stub.Watch(pb.WatchRequest(session_id=session_id))
+    async def watch(self, session_id: str) -> WatchStream:
+        """Open the session's two-way heartbeat stream (cancel it to close the session)."""
+        call = self._stub.Watch()
+        try:
+            await call.write(pb.WatchRequest(session_id=session_id))
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            raise from_rpc_error(exc, f"{self._prefix}watch failed: ") from None
+        return WatchStream(call)
 
     async def claim(self, claim: Claim, deadline: float) -> ClaimGrant:
         """Ask where a transfer's pages go; the peer answers once it posted its receives.

@@ -2,13 +2,13 @@
 
 A daemon that sends to a peer opens an *outbound* session: a handshake (each
 side describes its data plane and every pool it serves), a UCX connection, and
-a ``Watch`` stream of heartbeats from the peer. The peer holds the matching
-*inbound* session. The stream is the liveness signal for both: when the peer
-dies its connection resets and the stream fails at once on the sending side;
-when the sender dies, the receiver's stream handler is cancelled; a frozen
-peer stops beating and is given up after ``silence_limit_s``. An inbound
-session whose stream has not begun within that limit after its handshake is
-dropped, so a handshake alone holds nothing for long.
+a ``Watch`` stream on which both sides beat every ``heartbeat_s``. The peer
+holds the matching *inbound* session. The stream is the liveness signal for
+both: when either side dies its connection resets and the stream fails at once
+on the other; a frozen side (SIGSTOP, a hung host, a cut link) stops beating
+and the other gives it up after ``silence_limit_s``. An inbound session whose
+stream has not begun within that limit after its handshake is dropped, so a
+handshake alone holds nothing for long.
 
 A session's end is its ``lost`` future (resolved with the reason). Transfers
 run their work through ``session.guard(...)``, which fails with
@@ -31,11 +31,10 @@ import grpc
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import IncompatibleLayoutError, InvalidRangeError, PeerUnavailableError
 from kvxfer.server.limits import Limits, check_below, check_id
-from kvxfer.server.peer_client import PeerClient, PeerClients, time_left
+from kvxfer.server.peer_client import PeerClient, PeerClients, WatchStream, time_left
 from kvxfer.server.peer_protocol import DaemonHello
 from kvxfer.server.tls import Caller
 from kvxfer.transport import Connection, Transport
-from kvxfer.v1 import kvxfer_pb2 as pb
 
 log = logging.getLogger("kvxfer.server.sessions")
 
@@ -168,34 +167,32 @@ class Sessions:
                 f"peer {address} runs UCX with error_handling={peer.ucx_error_handling}, we run "
                 f"{mine.ucx_error_handling}; both daemons must use the same setting")
         # Watch at once: the peer drops a session whose stream has not begun in time.
-        call = client.watch(session_id)
+        stream = await client.watch(session_id)
         try:
             connection = await asyncio.to_thread(
                 self._transport.connect, peer.ucx_host, peer.ucx_ports,
                 max(time_left(deadline), 1.0))
         except Exception as exc:  # noqa: BLE001 - any UCX failure means unreachable
-            call.cancel()
+            stream.cancel()
             raise PeerUnavailableError(
                 f"cannot open UCX endpoints to {peer.ucx_host} ports {list(peer.ucx_ports)}: {exc}"
             ) from None
         except BaseException:  # cancelled: the stream must not keep the peer's session alive
-            call.cancel()
+            stream.cancel()
             raise
         session = OutboundSession(session_id, peer, address=address, client=client,
                                   connection=connection)
-        session.watch = asyncio.create_task(self._watch(session, call), name=f"watch {address}")
+        session.watch = asyncio.create_task(self._watch(session, stream), name=f"watch {address}")
         log.info("session %s with peer %s (UCX %s, %d lanes)", session_id[:8], address,
                  peer.ucx_host, connection.lanes)
         return session
 
-    async def _watch(self, session: OutboundSession,
-                     call: grpc.aio.UnaryStreamCall[pb.WatchRequest, pb.Heartbeat]) -> None:
+    async def _watch(self, session: OutboundSession, stream: WatchStream) -> None:
         reason = "heartbeat stream ended"
+        beating = asyncio.create_task(self._beat(stream), name=f"beat {session.address}")
         try:
-            while True:
-                beat = await asyncio.wait_for(call.read(), timeout=self.silence_limit_s)
-                if beat is grpc.aio.EOF:
-                    break
+            while await asyncio.wait_for(stream.peer_beat(), timeout=self.silence_limit_s):
+                pass
         except TimeoutError:
             reason = f"no heartbeat for {self.silence_limit_s:.0f}s"
         except grpc.aio.AioRpcError as exc:
@@ -204,8 +201,18 @@ class Sessions:
             reason = "session closed"
             raise
         finally:
-            call.cancel()
+            beating.cancel()
+            stream.cancel()
             self._lose_outbound(session, reason)
+
+    async def _beat(self, stream: WatchStream) -> None:
+        """Our heartbeats to the peer, until the stream fails (``_watch`` says why)."""
+        try:
+            while True:
+                await asyncio.sleep(self._heartbeat_s)
+                await stream.beat()
+        except grpc.aio.AioRpcError:
+            return
 
     def _lose_outbound(self, session: OutboundSession, reason: str) -> None:
         if not session.end(f"peer {session.address} lost: {reason}"):
@@ -254,23 +261,46 @@ class Sessions:
         return any(s.session_id == session_id and not s.lost.done()
                    for s in self._outbound.values())
 
-    async def heartbeats(self, session_id: str, caller: Caller) -> AsyncIterator[float]:
+    async def heartbeats(self, session_id: str, caller: Caller,
+                         sender_beats: AsyncIterator[object]) -> AsyncIterator[float]:
         """The Watch stream of ``caller``'s inbound session: a heartbeat (unix time) every
-        ``heartbeat_s`` until this daemon closes; the session ends with the stream."""
+        ``heartbeat_s`` until this daemon closes, or the sender's beats (``sender_beats``)
+        stop or fall silent for ``silence_limit_s``; the session ends with the stream."""
         session = self.inbound(session_id, caller)
         if session.watched:
             raise InvalidRangeError(f"session {session_id[:8]} is already watched; a session "
                                     "has one Watch stream, opened right after its handshake")
         session.watched = True
+        listening = asyncio.create_task(self._listen(sender_beats), name=f"listen {session_id[:8]}")
+        closing = asyncio.create_task(self._closing.wait(), name=f"closing {session_id[:8]}")
+        reason = "this daemon shut down"
         try:
-            while not self._closing.is_set():
+            while not closing.done():
+                if listening.done():
+                    reason = f"sender {session.peer_address} {listening.result()}"
+                    break
                 yield time.time()
-                try:
-                    await asyncio.wait_for(self._closing.wait(), self._heartbeat_s)
-                except TimeoutError:
-                    pass
+                await asyncio.wait({listening, closing}, timeout=self._heartbeat_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
         finally:
-            self._lose_inbound(session, f"sender {session.peer_address} went away")
+            listening.cancel()
+            closing.cancel()
+            if not (listening.done() or closing.done()):
+                reason = f"sender {session.peer_address} went away"
+            self._lose_inbound(session, reason)
+
+    async def _listen(self, sender_beats: AsyncIterator[object]) -> str:
+        """How the sender's beats ended: it closed the stream, or it fell silent."""
+        beats = aiter(sender_beats)
+        while True:
+            try:
+                await asyncio.wait_for(anext(beats), self.silence_limit_s)
+            except StopAsyncIteration:
+                return "closed its session"
+            except TimeoutError:
+                return f"fell silent (no heartbeat for {self.silence_limit_s:.0f}s)"
+            except Exception as exc:  # noqa: BLE001 - any failure of the stream ends the session
+                return f"broke its stream: {exc}"
 
     def _drop_unwatched(self, session: InboundSession) -> None:
         if not session.watched and self._inbound.get(session.session_id) is session:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,13 @@ from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 
 ONE_PAGE = PageRuns.of([(0, 1)])
+
+
+def beats(session_id: str, stop: threading.Event) -> Iterator[pb.WatchRequest]:
+    """A sender's side of a Watch stream: the session, then a heartbeat every 0.5 s."""
+    yield pb.WatchRequest(session_id=session_id)
+    while not stop.wait(0.5):
+        yield pb.WatchRequest(unix_time=time.time())
 
 
 def channel_as(dec: Any, ca_dir: Path | None, name: str | None, trust: Path) -> grpc.Channel:
@@ -35,13 +44,14 @@ class PeerAs:
         self.channel = channel_as(dec, ca_dir, name, ca_dir)
         self.stub = pb_grpc.KvxferPeerStub(self.channel)
         self._pool = pool
-        self._watches: list[grpc.Future] = []
+        self._watches: list[Any] = []
+        self._closed = threading.Event()
 
     def open_session(self, session_id: str) -> str:
         self.stub.Handshake(pb.HandshakeRequest(
             session_id=session_id, ucx_host="127.0.0.1", ucx_ports=[1], ucx_error_handling=True,
             pools=[self._pool], peer_address="127.0.0.1:1"), timeout=5)
-        self._watches.append(self.stub.Watch(pb.WatchRequest(session_id=session_id)))
+        self._watches.append(self.stub.Watch(beats(session_id, self._closed)))
         return session_id
 
     def claim_request(self, transfer_id: str, session_id: str,
@@ -58,6 +68,7 @@ class PeerAs:
             transfer_id=transfer_id, session_id=session_id, reason=f"by {session_id}"), timeout=5)
 
     def close(self) -> None:
+        self._closed.set()
         for watch in self._watches:
             watch.cancel()
         self.channel.close()

@@ -412,7 +412,7 @@ def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(sp
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "unknown; handshake first" in refused.value.details()
         with pytest.raises(grpc.RpcError) as late:
-            next(peer.Watch(pb.WatchRequest(session_id="never-watched"), timeout=10))
+            next(peer.Watch(iter([pb.WatchRequest(session_id="never-watched")]), timeout=10))
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "without a Watch stream" in late.value.details()
         d.expect("watched-2", "kv", runs, timeout_s=20)

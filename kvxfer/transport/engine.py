@@ -48,6 +48,7 @@ from kvxfer.transport.batches import (
     SendBatch,
     settle,
 )
+from kvxfer.transport.drain import LateMessages
 from kvxfer.transport.owners import ReceiveOwners
 from kvxfer.transport.protocol import Message
 from kvxfer.transport.ucx_settings import apply_ucx_defaults
@@ -134,8 +135,9 @@ class UcxEngine:
         self._submit(lambda: self._fail(batch, PeerUnavailableError(reason)))
 
     def posted_requests(self) -> int:
-        """UCX requests posted and not yet complete, failed transfers' included (a leak gauge)."""
-        return self._posted
+        """UCX requests posted and not yet complete, failed transfers' included, and late
+        messages being taken (a leak gauge)."""
+        return self._posted + self._late.in_flight
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and release UCX resources; unfinished requests fail.
@@ -186,6 +188,7 @@ class UcxEngine:
             self._worker = api.UCXWorker(self._context)
             self._worker.init_blocking_progress_mode()
             self._owners = ReceiveOwners(api, self._worker, self._error_handling)
+            self._late = LateMessages(api, self._worker)
             self._listener = api.UCXListener.create(
                 worker=self._worker, port=port, cb_func=self._on_connect
             )
@@ -212,6 +215,8 @@ class UcxEngine:
         self._worker.progress()
         if self._abandoned:
             self._reap_abandoned()
+        if not self._late.idle:
+            self._late.step()
         if self._sends or self._receives:
             self._reap()
             if self._sends:
@@ -219,7 +224,7 @@ class UcxEngine:
         if self._worker.arm() and self._commands.empty():
             # While receives are posted, wake at least every 10 ms anyway: a missed
             # wake-up then costs a pause, never a hang.
-            timeout = 0.01 if self._receives else 0.5
+            timeout = 0.01 if self._receives or not self._late.idle else 0.5
             select.select([self._worker.epoll_file_descriptor, self._wake_r], [], [], timeout)
         try:
             os.read(self._wake_r, 4096)
@@ -339,6 +344,10 @@ class UcxEngine:
             if batch.owner is not None:
                 # Its unmatched receives are cancelled; a message UCX already matched still
                 # completes (within the sender's window). Both are retired by _reap_abandoned.
+                # Messages that arrive later go to a scratch buffer (kvxfer.transport.drain).
+                first = batch.next - len(batch.posted)
+                self._late.watch([batch.messages[first + i][1] for i, p in enumerate(batch.posted)
+                                  if not p.request.completed])
                 owner, batch.owner = batch.owner, None
                 self._owners.cancel(owner)
         if batch.posted and batch not in self._abandoned:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import os
 
-#: Settings that make UCX fast on loopback tcp and shared memory (see the README).
+#: Settings that make UCX fast on loopback tcp and shared memory (see the README), and let a
+#: restarted daemon listen on its old port at once.
 UCX_DEFAULTS = {
     "UCX_RNDV_SCHEME": "put_zcopy",
     "UCX_RNDV_THRESH": "32K",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
+    # A daemon restarted after a crash keeps its --ucx-port: without this, bind fails
+    # ("Address already in use") while the dead process's connections are in TIME_WAIT.
+    "UCX_TCP_CM_REUSEADDR": "y",
 }
 
 #: The environment of a daemon, test or benchmark whose data plane must stay on this machine.

@@ -1289,18 +1289,28 @@ Global___HandshakeResponse: _TypeAlias = HandshakeResponse  # noqa: Y015
 
 @_typing.final
 class WatchRequest(_message.Message):
+    """Liveness both ways: the sender's first message names the session, then it beats every
+    heartbeat; the receiver answers with its own beats. Either side gives up on the other
+    after a silence of 3 heartbeats + 1 s.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    UNIX_TIME_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """the first message only"""
+    unix_time: _builtins.float
+    """the sender's beats"""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
+        unix_time: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "unix_time", b"unix_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

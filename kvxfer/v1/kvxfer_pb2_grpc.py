@@ -756,7 +756,7 @@ class KvxferPeerStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.HandshakeRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
-        self.Watch = channel.unary_stream(
+        self.Watch = channel.stream_stream(
                 '/kvxfer.v1.KvxferPeer/Watch',
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.Heartbeat.FromString,
@@ -792,7 +792,7 @@ class KvxferPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Watch(self, request, context):
+    def Watch(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -830,7 +830,7 @@ def add_KvxferPeerServicer_to_server(servicer, server):
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.HandshakeRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.HandshakeResponse.SerializeToString,
             ),
-            'Watch': grpc.unary_stream_rpc_method_handler(
+            'Watch': grpc.stream_stream_rpc_method_handler(
                     servicer.Watch,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.WatchRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.Heartbeat.SerializeToString,
@@ -894,7 +894,7 @@ class KvxferPeer:
             _registered_method=True)
 
     @staticmethod
-    def Watch(request,
+    def Watch(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -904,8 +904,8 @@ class KvxferPeer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/kvxfer.v1.KvxferPeer/Watch',
             kvxfer_dot_v1_dot_kvxfer__pb2.WatchRequest.SerializeToString,

@@ -197,7 +197,7 @@ class KvxferPeerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvxferPeerAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.HandshakeRequest, _kvxfer_pb2.HandshakeResponse]
-    Watch: _grpc.UnaryStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]
+    Watch: _grpc.StreamStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]
     Claim: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ClaimRequest, _kvxfer_pb2.ClaimResponse]
     Commit: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.CommitRequest, _kvxfer_pb2.TransferStatus]
     RequestPush: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.RequestPushRequest, _kvxfer_pb2.RequestPushResponse]
@@ -207,7 +207,7 @@ class KvxferPeerStub:
 class KvxferPeerAsyncStub(KvxferPeerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.HandshakeRequest, _kvxfer_pb2.HandshakeResponse]  # type: ignore[assignment]
-    Watch: _aio.UnaryStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]  # type: ignore[assignment]
+    Watch: _aio.StreamStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]  # type: ignore[assignment]
     Claim: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ClaimRequest, _kvxfer_pb2.ClaimResponse]  # type: ignore[assignment]
     Commit: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.CommitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     RequestPush: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.RequestPushRequest, _kvxfer_pb2.RequestPushResponse]  # type: ignore[assignment]
@@ -224,7 +224,7 @@ class KvxferPeerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Watch(
         self,
-        request: _kvxfer_pb2.WatchRequest,
+        request_iterator: _MaybeAsyncIterator[_kvxfer_pb2.WatchRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kvxfer_pb2.Heartbeat], _abc.AsyncIterator[_kvxfer_pb2.Heartbeat]]: ...
 

@@ -71,8 +71,13 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         with _audited(caller, "handshake", "", request.session_id):
             return hello_to_response(self._sessions.accept(hello_from_request(request), caller))
 
-    async def Watch(self, request: pb.WatchRequest, context: Context) -> AsyncIterator[pb.Heartbeat]:
-        async for unix_time in self._sessions.heartbeats(request.session_id, Caller.of(context)):
+    async def Watch(self, requests: AsyncIterator[pb.WatchRequest],
+                    context: Context) -> AsyncIterator[pb.Heartbeat]:
+        first = await anext(aiter(requests), None)
+        if first is None:
+            return  # the sender hung up before naming its session
+        beats = self._sessions.heartbeats(first.session_id, Caller.of(context), requests)
+        async for unix_time in beats:
             yield pb.Heartbeat(unix_time=unix_time)
 
     async def Claim(self, request: pb.ClaimRequest, context: Context) -> pb.ClaimResponse:

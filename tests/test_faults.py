@@ -1,0 +1,208 @@
+"""The fault matrix: a fault injected mid-transfer between real daemons, on either side.
+
+For every fault: each transfer reaches a final state no later than its deadline (or,
+where the fault is a dead or silent peer, the liveness limit) plus a stated margin; a
+DONE transfer's pages are byte-exact and nothing outside them changed; no UCX request
+stays posted; and the surviving daemons complete new transfers without a restart.
+``kill -9`` of either side is in ``test_transfers.py``; the link cut and the lossy link
+between network namespaces are in ``test_netns.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from pool_checks import assert_moved, fill_random
+from test_transfers import posted_requests
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.library import AttachedPool
+from kvxfer.pages import PageRuns
+from kvxfer.server.sessions import silence_limit_s
+from kvxfer.status import TransferInfo, TransferState
+
+pytestmark = pytest.mark.slow  # about 1 min; see the README's Tests section
+
+POOL = "name=kv,preset=llama8b"  # 512 pages of 2 MiB: a whole-pool transfer takes ~0.3 s
+HEARTBEAT_S = 1.0
+LIVENESS_S = silence_limit_s(HEARTBEAT_S)  # 4 s
+#: How late past its deadline or the liveness limit a transfer may end (a loaded machine).
+MARGIN_S = 2.0
+#: An engine that writes 7 into every byte of the pool, says so, and keeps it mapped.
+ENGINE = """
+import sys, time
+from kvxfer.client import KvxferClient
+with KvxferClient(sys.argv[1]) as kv, kv.attach("kv") as pool:
+    pool.raw.fill_(7)
+    print("WRITTEN", flush=True)
+    time.sleep(600)
+"""
+
+
+def daemon(spawn, name: str, *extra: str):
+    """A daemon with the standard pool and Prometheus metrics, heartbeating every second."""
+    return spawn(name, [POOL], metrics=True,
+                 extra_args=["--heartbeat-s", str(HEARTBEAT_S), *extra])
+
+
+def until(condition, timeout_s: float, what: str) -> None:
+    """Poll ``condition`` every 5 ms until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still not {what} after {timeout_s} s"
+        time.sleep(0.005)
+
+
+def state(client: KvxferClient, transfer_id: str) -> TransferState:
+    return next(t.state for t in client.transfers() if t.transfer_id == transfer_id)
+
+
+def no_request_posted(*daemons) -> None:
+    """Every daemon's posted UCX requests drain to 0 within 5 s."""
+    for d in daemons:
+        until(lambda d=d: posted_requests(d.metrics_port) == 0, 5, f"drained on {d.name}")
+
+
+@contextmanager
+def frozen(d) -> Iterator[None]:
+    """``d``'s process stopped (SIGSTOP) inside, continued (SIGCONT) after."""
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+
+
+def ended_within(info: TransferInfo, limit_s: float) -> float:
+    """How long after registration ``info``'s transfer ended; fails past ``limit_s`` + margin."""
+    took = time.time() - info.created_unix
+    assert took <= limit_s + MARGIN_S, f"{info.transfer_id} ended {took:.1f} s after it began"
+    return took
+
+
+def new_transfer_works(p: KvxferClient, d: KvxferClient, dec, src: AttachedPool,
+                       dst: AttachedPool, tid: str) -> None:
+    """A fresh verified transfer between the same daemons, byte-exact."""
+    before = dst.raw.clone()
+    src_runs, dst_runs = PageRuns.of([(0, 32)]), PageRuns.of([(100, 32)])
+    d.expect(tid, "kv", dst_runs, timeout_s=30)
+    p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True)
+    sent, got = p.wait(tid, timeout_s=35), d.wait(tid, timeout_s=35)
+    assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+    assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def start_whole_pool(p: KvxferClient, d: KvxferClient, dec, tid: str,
+                     timeout_s: float = 30) -> None:
+    """Push every page of the pool, and return once the receiver is TRANSFERRING."""
+    d.expect(tid, "kv", PageRuns.of([(0, 512)]), timeout_s=timeout_s)
+    p.push(tid, "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=timeout_s)
+    until(lambda: state(d, tid) != TransferState.WAITING, 20, "claimed")
+
+
+@pytest.mark.parametrize("side", ["receiver", "sender"])
+def test_a_frozen_peer_fails_transfers_by_liveness_and_is_served_again_after(spawn, side) -> None:
+    pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 3)
+        start_whole_pool(p, d, dec, "frozen")
+        survivor, victim = (p, dec) if side == "receiver" else (d, pre)
+        with frozen(victim):
+            got = survivor.wait("frozen", timeout_s=30)
+            if got.ok:
+                pytest.skip("the transfer completed before the freeze landed")
+            assert got.error_code == "UNAVAILABLE", got.error
+            took = ended_within(got, LIVENESS_S)  # by liveness, long before the 30 s deadline
+            time.sleep(0.5)
+        other = d if survivor is p else p
+        thawed = other.wait("frozen", timeout_s=30)  # the thawed side drops the stale session
+        assert not thawed.ok
+        ended_within(thawed, LIVENESS_S + 1)
+        no_request_posted(pre, dec)
+        new_transfer_works(p, d, dec, src, dst, "after-thaw")
+    print(f"frozen {side}: the other side failed the transfer {took:.1f} s after it began")
+
+
+def test_a_late_writer_cannot_land_in_reused_pages(spawn) -> None:
+    """The receiver aborts a transfer mid-way and at once gives its pages to a transfer
+    from another sender; the first sender's messages still in flight carry the aborted
+    transfer's tags, which no receive matches any more, so the new bytes are exact."""
+    late, fresh, dec = daemon(spawn, "late"), daemon(spawn, "fresh"), daemon(spawn, "decode")
+    with KvxferClient(late.worker_address) as old, KvxferClient(fresh.worker_address) as new, \
+            KvxferClient(dec.worker_address) as d, old.attach("kv") as old_src, \
+            new.attach("kv") as new_src, d.attach("kv") as dst:
+        fill_random(old_src, 4)
+        fill_random(new_src, 5)
+        pages = PageRuns.of([(0, 512)])
+        start_whole_pool(old, d, dec, "aborted")
+        d.abort("aborted", "reusing the pages")
+        before = dst.raw.clone()
+        d.expect("reused", "kv", pages, timeout_s=30)
+        new.push("reused", "kv", pages, peer=dec.peer_address, timeout_s=30, verify=True)
+        sent, got = new.wait("reused", timeout_s=35), d.wait("reused", timeout_s=35)
+        assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+        assert d.wait("aborted").state == TransferState.ABORTED
+        assert not old.wait("aborted", timeout_s=10).ok
+        time.sleep(0.5)  # anything the late sender still had in flight has landed by now
+        assert torch.equal(dst.raw, new_src.raw), "a late message changed a reused page"
+        del before
+        no_request_posted(late, fresh, dec)
+
+
+def test_a_peer_restarted_on_the_same_address_is_a_new_peer(spawn, dev_ca) -> None:
+    """kill -9 of the receiver mid-transfer and a new process on the same ports: the old
+    session fails (the new process knows no session of the old one), and the sender opens
+    a new one with the new process's pools."""
+    pre = daemon(spawn, "prefill")
+    dec = daemon(spawn, "decode")
+    ports = ["--peer-address", dec.peer_address, "--ucx-port", str(dec.ready_info["ucx_port"])]
+    with KvxferClient(pre.worker_address) as p, p.attach("kv") as src:
+        fill_random(src, 6)
+        with KvxferClient(dec.worker_address) as d:
+            start_whole_pool(p, d, dec, "orphaned")
+            dec.kill()
+        got = p.wait("orphaned", timeout_s=30)
+        if got.ok:
+            pytest.skip("the transfer completed before the kill landed")
+        assert got.error_code == "UNAVAILABLE", got.error
+        ended_within(got, LIVENESS_S)
+        again = daemon(spawn, "decode-again", *ports)
+        assert again.peer_address == dec.peer_address
+        with KvxferClient(again.worker_address) as d, d.attach("kv") as dst:
+            new_transfer_works(p, d, again, src, dst, "after-restart")
+        no_request_posted(pre, again)
+
+
+def test_the_pools_outlive_the_engine_that_wrote_them(spawn) -> None:
+    """An engine (here a worker process) writes pages and is killed; the daemon keeps the
+    pools and the transfer in flight; a new worker reads exactly what its predecessor wrote."""
+    pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
+    writer = subprocess.Popen([sys.executable, "-c", ENGINE, pre.worker_address],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "WRITTEN"
+        with KvxferClient(dec.worker_address) as d:
+            d.expect("survives", "kv", PageRuns.of([(0, 512)]), timeout_s=30)
+            with KvxferClient(pre.worker_address) as p:
+                p.push("survives", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address,
+                       timeout_s=30, verify=True)
+            writer.kill()  # the engine dies with the transfer of its pages in flight
+            writer.wait(10)
+            assert d.wait("survives", timeout_s=35).ok
+            with KvxferClient(pre.worker_address) as p, p.attach("kv") as src, \
+                    d.attach("kv") as dst:
+                expected = torch.full_like(src.raw, 7)
+                assert torch.equal(src.raw, expected), "the pool lost what the dead engine wrote"
+                assert torch.equal(dst.raw, expected)
+    finally:
+        writer.kill()
+        writer.wait(10)
