@@ -17,6 +17,7 @@ import random
 import secrets
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from pool_checks import assert_moved, fill_random, standard_runs
 from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
+from kvxfer.pages import PageRuns
 
 pytestmark = pytest.mark.slow  # see the README's Tests section
 
@@ -121,3 +123,100 @@ def test_push_and_pull_across_a_veth_link(two_hosts, tmp_path: Path) -> None:
             sent, got = p.wait("veth-pull", timeout_s=60), d.wait("veth-pull", timeout_s=60)
             assert sent.ok and got.ok, (sent.error, got.error)
             assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+LIVENESS_S = 4.0  # the default heartbeat (1 s): 3 heartbeats + 1 s
+MARGIN_S = 2.0
+
+
+def wait_until_claimed(d: KvxferClient, transfer_id: str) -> None:
+    deadline = time.monotonic() + 20
+    while next(t for t in d.transfers() if t.transfer_id == transfer_id).state.name == "WAITING":
+        assert time.monotonic() < deadline, "the transfer was never claimed"
+        time.sleep(0.005)
+
+
+def test_a_cut_link_fails_transfers_by_liveness_and_sessions_heal_after(two_hosts,
+                                                                      tmp_path: Path) -> None:
+    a, b = two_hosts
+    issue_certs(tmp_path / "tls", ["prefill", "decode"], (a.address, b.address))
+    with namespaced_daemon("prefill", a, tmp_path) as pre, namespaced_daemon("decode", b, tmp_path) as dec:
+        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+                p.attach("kv") as src, d.attach("kv") as dst:
+            fill_random(src, 23)
+            whole = PageRuns.of([(0, 128)])
+            d.expect("cut", "kv", whole, timeout_s=60)
+            p.push("cut", "kv", whole, peer=dec.peer_address, timeout_s=60)
+            wait_until_claimed(d, "cut")
+            _ip("-n", a.netns, "link", "set", a.device, "down")
+            try:
+                cut_at = time.monotonic()
+                sent, got = p.wait("cut", timeout_s=60), d.wait("cut", timeout_s=60)
+                took = time.monotonic() - cut_at
+            finally:
+                _ip("-n", a.netns, "link", "set", a.device, "up")
+            if sent.ok and got.ok:
+                pytest.skip("the transfer completed before the link went down")
+            assert "UNAVAILABLE" in (sent.error_code, got.error_code), (sent.error, got.error)
+            assert not got.ok and not sent.ok
+            assert took <= LIVENESS_S + MARGIN_S, f"both sides ended {took:.1f} s after the cut"
+
+            src_runs, dst_runs = standard_runs(24, num_pages=128, pages=32)
+            before = dst.raw.clone()
+            d.expect("healed", "kv", dst_runs, timeout_s=60)
+            p.push("healed", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+            sent, got = p.wait("healed", timeout_s=60), d.wait("healed", timeout_s=60)
+            assert sent.ok and got.ok and got.verified, (sent.error, got.error)
+            assert_moved(src, dst, src_runs, dst_runs, before)
+    print(f"link cut: both sides failed the transfer {took:.1f} s after the cut")
+
+
+def shape_link(hosts: tuple[Host, Host], choices: list[list[str]]) -> str:
+    """Apply the first queueing discipline in ``choices`` the kernel has to both ends of the
+    link; which one it was (skips if none)."""
+    errors = []
+    for qdisc in choices:
+        done = []
+        for host in hosts:
+            out = subprocess.run([*host.exec_prefix(), "tc", "qdisc", "add", "dev", host.device,
+                                  "root", *qdisc], capture_output=True, text=True, timeout=10)
+            if out.returncode != 0:
+                errors.append(f"{qdisc[0]}: {out.stderr.strip()}")
+                break
+            done.append(host)
+        else:
+            return " ".join(qdisc)
+        for host in done:
+            subprocess.run([*host.exec_prefix(), "tc", "qdisc", "del", "dev", host.device, "root"],
+                           capture_output=True, timeout=10)
+    pytest.skip(f"no link shaping here: {errors}")
+
+
+def test_a_lossy_slow_link_delivers_exact_bytes_or_fails_by_deadline(two_hosts,
+                                                                    tmp_path: Path) -> None:
+    """Loss, delay and reordering with netem where the kernel has it; where it does not
+    (sch_netem missing, as on the machines here), a slow link: a 400 Mbit/s token bucket."""
+    a, b = two_hosts
+    link = shape_link((a, b), [
+        ["netem", "loss", "1%", "delay", "5ms", "1ms", "reorder", "5%", "50%"],
+        ["tbf", "rate", "400mbit", "burst", "256kb", "latency", "100ms"],
+    ])
+    issue_certs(tmp_path / "tls", ["prefill", "decode"], (a.address, b.address))
+    with namespaced_daemon("prefill", a, tmp_path) as pre, namespaced_daemon("decode", b, tmp_path) as dec:
+        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+                p.attach("kv") as src, d.attach("kv") as dst:
+            fill_random(src, 25)
+            src_runs, dst_runs = standard_runs(25, num_pages=128, pages=32)
+            before = dst.raw.clone()
+            d.expect("lossy", "kv", dst_runs, timeout_s=60)
+            start = time.monotonic()
+            p.push("lossy", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+            sent, got = p.wait("lossy", timeout_s=70), d.wait("lossy", timeout_s=70)
+            seconds = time.monotonic() - start
+            if got.ok:
+                assert sent.ok and got.verified
+                assert_moved(src, dst, src_runs, dst_runs, before)
+            else:
+                assert got.error_code == "DEADLINE_EXCEEDED", got.error
+                assert seconds <= 60 + MARGIN_S
+    print(f"link {link}: {got.state.name}, {got.bytes / seconds / 1e6:.0f} MB/s")
