@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from pool_checks import assert_moved, fill_random
+from test_benchmarks import run_benchmark
 from test_transfers import posted_requests
 
 from kvxfer.client import KvxferClient
@@ -29,7 +30,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.sessions import silence_limit_s
 from kvxfer.status import TransferInfo, TransferState
 
-pytestmark = pytest.mark.slow  # about 1 min; see the README's Tests section
+pytestmark = pytest.mark.slow  # about 2.5 min; see the README's Tests section
 
 POOL = "name=kv,preset=llama8b"  # 512 pages of 2 MiB: a whole-pool transfer takes ~0.3 s
 HEARTBEAT_S = 1.0
@@ -206,3 +207,41 @@ def test_the_pools_outlive_the_engine_that_wrote_them(spawn) -> None:
     finally:
         writer.kill()
         writer.wait(10)
+
+
+def test_deadlines_are_kept_on_both_sides(spawn) -> None:
+    """Transfers nobody completes (a receiver no sender fills, pushes no receiver expects)
+    end DEADLINE_EXCEEDED when their deadline passes, not later."""
+    pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
+    deadlines = [0.5 + 0.25 * i for i in range(8)]
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        for i, timeout_s in enumerate(deadlines):
+            d.expect(f"unfilled-{i}", "kv", PageRuns.of([(i, 1)]), timeout_s=timeout_s)
+            p.push(f"unexpected-{i}", "kv", PageRuns.of([(i, 1)]), peer=dec.peer_address,
+                   timeout_s=timeout_s)
+        overshoot: dict[str, float] = {}
+        end = time.monotonic() + max(deadlines) + 5
+        while len(overshoot) < 2 * len(deadlines) and time.monotonic() < end:
+            now = time.time()
+            for t in [*d.transfers(), *p.transfers()]:
+                if t.state.final and t.transfer_id not in overshoot:
+                    assert t.state == TransferState.DEADLINE_EXCEEDED, t.error
+                    overshoot[t.transfer_id] = now - (t.created_unix + t.timeout_s)
+            time.sleep(0.01)
+    assert len(overshoot) == 2 * len(deadlines), f"not ended: {len(overshoot)}"
+    worst = max(overshoot.values())
+    assert worst < 0.5, f"a transfer ended {worst:.3f} s after its deadline"
+    assert min(overshoot.values()) > -0.05, "a transfer ended before its deadline"
+    print(f"deadlines: worst overshoot {worst * 1e3:.0f} ms over {len(overshoot)} transfers")
+
+
+def test_a_short_soak_with_faults_leaks_nothing() -> None:
+    """45 s of ``benchmarks/soak.py`` (run it for hours by hand): pushes, pulls, aborts on
+    either side and unfilled receivers; then nothing posted, nothing running, no growth."""
+    got = run_benchmark("soak.py", "--seconds", "45", "--json", timeout=180)
+    assert got["failures"] == [], got["failures"]
+    assert got["transfers"] > 100 and set(got["by_case"]) == {
+        "push", "pull", "receiver-aborts", "sender-aborts", "unfilled"}
+    assert got["idle_gauges"]["prefill"]["posted_requests"] == 0
+    assert got["idle_gauges"]["decode"]["posted_requests"] == 0
+    assert got["ok"], got
