@@ -153,7 +153,8 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str, group: int | None) -> 
         tmp.unlink(missing_ok=True)
         raise InvalidSpecError(
             f"cannot allocate {size_bytes} bytes of shared memory for arena {name!r} in "
-            f"{shm_dir}: {exc.strerror}"
+            f"{shm_dir}: {exc.strerror} ({_free_bytes(shm_dir)} bytes free there); give it a "
+            "larger tmpfs (docker: --shm-size) or configure fewer pages"
         ) from None
     except BaseException:
         os.close(fd)
@@ -162,6 +163,12 @@ def _create_shm(name: str, size_bytes: int, shm_dir: str, group: int | None) -> 
     raw = torch.frombuffer(mapping, dtype=torch.uint8)
     handle = MemoryHandle(name, "cpu", size_bytes, shm=SharedMemoryHandle(str(path)))
     return Arena(name, "cpu", raw, handle, mapping, path, _lock_fd=fd)
+
+
+def _free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still allocate in ``directory``'s file system."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
 
 
 def remove_stale_arenas(shm_dir: str = "/dev/shm", pid: int | None = None) -> list[tuple[Path, int]]:

@@ -26,9 +26,11 @@ from test_transfers import posted_requests
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.library import AttachedPool
+from kvxfer.errors import PeerUnavailableError
 from kvxfer.pages import PageRuns
 from kvxfer.server.sessions import silence_limit_s
 from kvxfer.status import TransferInfo, TransferState
+from kvxfer.transport import LOOPBACK_ENV
 
 pytestmark = pytest.mark.slow  # about 2.5 min; see the README's Tests section
 
@@ -245,3 +247,60 @@ def test_a_short_soak_with_faults_leaks_nothing() -> None:
     assert got["idle_gauges"]["prefill"]["posted_requests"] == 0
     assert got["idle_gauges"]["decode"]["posted_requests"] == 0
     assert got["ok"], got
+
+
+def test_sigterm_drains_health_first_then_refuses_then_fails_what_cannot_finish(spawn) -> None:
+    """A receiving daemon gets SIGTERM while a transfer runs (its sender frozen, so it cannot
+    finish) and another waits: health turns NOT_SERVING, new requests get UNAVAILABLE, and
+    after the grace period both transfers fail saying the daemon is draining; it exits 0."""
+    grace_s = 3.0
+    pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode", "--grace-s", str(grace_s))
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        d.expect("waiting", "kv", PageRuns.of([(0, 1)]), timeout_s=60)
+        d.expect("running", "kv", PageRuns.of([(1, 511)]), timeout_s=60)
+        p.push("running", "kv", PageRuns.of([(1, 511)]), peer=dec.peer_address, timeout_s=60)
+        until(lambda: state(d, "running") != TransferState.WAITING, 20, "claimed")
+        with frozen(pre):
+            if state(d, "running").final:
+                pytest.skip("the transfer completed before the freeze landed")
+            dec.process.send_signal(signal.SIGTERM)
+            sigterm = time.monotonic()
+            until(lambda: d.health() == "NOT_SERVING", 2, "NOT_SERVING")
+            with pytest.raises(PeerUnavailableError, match="shutting down"):
+                d.expect("new", "kv", PageRuns.of([(0, 1)]), timeout_s=10)
+            ended = [d.wait("waiting", timeout_s=10), d.wait("running", timeout_s=10)]
+            took = time.monotonic() - sigterm
+        for info in ended:
+            assert info.state == TransferState.FAILED and "is draining" in info.error, info.error
+        assert grace_s - 0.5 <= took <= grace_s + MARGIN_S, f"ended {took:.1f} s after SIGTERM"
+        assert dec.process.wait(20) == 0
+        sent = p.wait("running", timeout_s=LIVENESS_S + MARGIN_S)
+        # Told by the draining daemon (if the tell reached it after the thaw), or lost it.
+        assert not sent.ok and ("is draining" in sent.error or sent.error_code == "UNAVAILABLE"), \
+            sent.error
+        no_request_posted(pre)
+
+
+def test_a_shm_dir_too_small_is_refused_at_start_naming_sizes(tmp_path) -> None:
+    """Pools that do not fit the shared-memory file system: one line naming both sizes,
+    a non-zero exit, and nothing left in the directory."""
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)],
+                             capture_output=True, text=True, timeout=10)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kvxfer.client.cli", "serve", "--pool", POOL,
+             "--worker-address", f"unix://{tmp_path}/s.sock", "--shm-dir", str(small)],
+            capture_output=True, text=True, timeout=60, env={**os.environ, **LOOPBACK_ENV})
+        assert out.returncode == 2, out.stdout + out.stderr
+        assert "cannot allocate 1073741824 bytes of shared memory" in out.stdout
+        assert "(4194304 bytes free there)" in out.stdout
+        assert "Traceback" not in out.stdout + out.stderr
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True, timeout=10)

@@ -262,8 +262,9 @@ class TransferCoordinator:
         for t in self.registry.all():
             if not t.state.final:
                 self.registry.finish(t, PeerUnavailableError(
-                    f"daemon {self.peer_address} shut down"))
-                self._tell_peer(t, "peer daemon shut down")
+                    f"daemon {self.peer_address} is draining: it shut down before this transfer "
+                    f"finished (grace {grace_s:g} s)"))
+                self._tell_peer(t, "the peer daemon is draining (shutting down)")
         if self._lease_watch is not None:
             self._lease_watch.cancel()
         if self._background:
