@@ -148,12 +148,15 @@ class FakeTransport:
                 batch.tags.append(tag)
         return batch
 
-    def abandon(self, batch: Batch, reason: str) -> None:
+    def abandon(self, batch: Batch, reason: str) -> Future[None]:
         assert isinstance(batch, FakeBatch)
         with self._network.lock:
             for tag in batch.tags:
                 self.posted.pop(tag, None)
         batch.fail(PeerUnavailableError(reason))
+        quiet: Future[None] = Future()
+        quiet.set_result(None)  # nothing is ever half-delivered here
+        return quiet
 
     def close_connection(self, connection: Connection) -> None:
         pass

@@ -49,6 +49,8 @@ class MessageBatch:
 
     def __init__(self, messages: list[Message]) -> None:
         self.future: Future[None] = Future()
+        # Resolved once none of its requests is in flight any more (after success or failure).
+        self.quiet: Future[None] = Future()
         self.bytes_done = 0
         self.messages = messages
         self.next = 0

@@ -125,14 +125,15 @@ class UcxEngine:
         """Close an endpoint (its unfinished sends fail); safe to call twice."""
         self._submit(lambda: self._close_ep(endpoint.number))
 
-    def abandon(self, batch: MessageBatch, reason: str) -> None:
+    def abandon(self, batch: MessageBatch, reason: str) -> Future[None]:
         """Fail ``batch`` now and post none of its remaining messages.
 
         For transfers that ended early (abort, deadline, dead peer: without UCX
         error handling a dead peer's requests just stay pending). Its unmatched
-        receives are cancelled.
+        receives are cancelled; the future resolves once no request of it is in flight.
         """
         self._submit(lambda: self._fail(batch, PeerUnavailableError(reason)))
+        return batch.quiet
 
     def posted_requests(self) -> int:
         """UCX requests posted and not yet complete, failed transfers' included, and late
@@ -335,6 +336,7 @@ class UcxEngine:
                 self._owners.give_back(owner)
         batch.messages = []
         settle(batch.future)
+        settle(batch.quiet)
 
     def _fail(self, batch: MessageBatch, error: BaseException) -> None:
         if isinstance(batch, SendBatch) and batch in self._sends:
@@ -354,12 +356,16 @@ class UcxEngine:
             self._abandoned.append(batch)
         batch.messages = batch.messages[: batch.next]
         settle(batch.future, error)
+        if not batch.posted:
+            settle(batch.quiet)
 
     def _reap_abandoned(self) -> None:
         for batch in self._abandoned:
             while batch.posted and batch.posted[0].request.completed:
                 batch.posted.popleft()
                 self._posted -= 1
+            if not batch.posted:
+                settle(batch.quiet)
         self._abandoned = [b for b in self._abandoned if b.posted]
 
     def _api_array(self, buffer: Any) -> Any:

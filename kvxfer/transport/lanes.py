@@ -141,11 +141,23 @@ class UcxLanes:
                 f"{len(self.engines)} (expected 1 to {len(self.engines)})")
         return LaneBatch([self.engines[i].receive(messages[i::lanes]) for i in range(lanes)])
 
-    def abandon(self, batch: Batch, reason: str) -> None:
-        """Fail ``batch`` on every lane now (see ``UcxEngine.abandon``)."""
+    def abandon(self, batch: Batch, reason: str) -> Future[None]:
+        """Fail ``batch`` on every lane now (see ``UcxEngine.abandon``); the future resolves
+        once no lane has a request of it in flight."""
         assert isinstance(batch, LaneBatch)
+        quiet: Future[None] = Future()
+        left = [len(batch.parts)]
+        lock = threading.Lock()
+
+        def lane_quiet(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    quiet.set_result(None)
+
         for engine, part in zip(self.engines, batch.parts):
-            engine.abandon(part, reason)
+            engine.abandon(part, reason).add_done_callback(lane_quiet)
+        return quiet
 
     def close_connection(self, connection: Connection) -> None:
         """Close each lane's endpoint; safe to call twice."""

@@ -77,8 +77,10 @@ class Transport(Protocol):
         """Post a receive for message ``k`` on lane ``k % lanes``."""
         ...
 
-    def abandon(self, batch: Batch, reason: str) -> None:
-        """Fail ``batch`` now; cancel its receives that are still unmatched."""
+    def abandon(self, batch: Batch, reason: str) -> Future[None]:
+        """Fail ``batch`` now; cancel its receives that are still unmatched. The future
+        resolves once none of its requests is in flight: a receive UCX matched before the
+        abandon still writes its pages until then."""
         ...
 
     def close_connection(self, connection: Connection) -> None:

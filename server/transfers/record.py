@@ -50,8 +50,9 @@ def final_state(error: KvxferError | None) -> TransferState:
 class Transfer:
     """One side of one transfer: what it moves, where it is, and what it holds.
 
-    ``done`` is set when it reaches a final state; ``arrived`` also when its
-    bytes have all landed (a receiver that still has to verify them).
+    ``done`` is set once its final state is told (after its in-flight UCX requests, if
+    it failed with some); ``arrived`` also when its bytes have all landed (a receiver
+    that still has to verify them).
     ``peer_identity``, when set, is the only peer (by certificate name) that may
     claim, pull, or abort it before a session has claimed it.
     """
@@ -100,14 +101,13 @@ class Transfer:
         self.started = time.monotonic()
 
     def end(self, error: KvxferError | None = None) -> bool:
-        """Move to the final state ``error`` gives (once); False if already final."""
+        """Move to the final state ``error`` gives (once); False if already final. The
+        registry sets ``done`` when it tells the end (``TransferRegistry.finish``)."""
         if self.state.final:
             return False
         self.advance(final_state(error))
         self.error = error
         self.finished = time.monotonic()
-        self.done.set()
-        self.arrived.set()
         return True
 
     @property

@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, defaultdict
+from concurrent.futures import Future
 
 from kvxfer.errors import (
     InternalError,
@@ -40,6 +41,9 @@ from kvxfer.status import TransferRole
 from kvxfer.transport import Transport
 
 log = logging.getLogger("kvxfer.server.transfers")
+
+#: The longest a failed transfer's end is held back for its in-flight UCX requests.
+QUIESCE_S = 5.0
 
 
 class TransferRegistry:
@@ -168,18 +172,29 @@ class TransferRegistry:
                     del self._waiters[key]
 
     def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
-        """End ``t`` (once) and release what it holds; the final state follows ``error``."""
+        """End ``t`` (once) and release what it holds; the final state follows ``error``.
+
+        A transfer that fails with UCX requests in flight is final at once, but told
+        (``wait``, ``completions``, its lease released) only once none of them can still
+        touch its pages (at most ``QUIESCE_S`` later): a receive UCX matched before the
+        failure keeps writing until it completes, and the engine may reuse the pages as
+        soon as it is told.
+        """
         if not t.end(error):
             return
         if t.timer is not None:
             t.timer.cancel()
         if t.task is not None and t.task is not asyncio.current_task():
             t.task.cancel()
+        quiet = None
         if t.batch is not None and error is not None:
-            self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
-        if t.release_lease and self._leases.held(t.lease_id):
-            self._leases.release(t.lease_id, f"its transfer {t.id!r} ended")
-        self.completions.record(t)
+            quiet = self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
+        if quiet is None or quiet.done():
+            self._publish(t)
+        else:
+            loop = asyncio.get_running_loop()
+            quiet.add_done_callback(lambda _: loop.call_soon_threadsafe(self._publish, t))
+            loop.call_later(QUIESCE_S, self._publish, t, quiet)
         self._active -= 1
         role = t.role.name.lower()
         self._metrics.active.labels(role).dec()
@@ -190,6 +205,19 @@ class TransferRegistry:
                      (t.finished or 0.0) - (t.started or t.finished or 0.0))
         else:
             log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error)
+
+    def _publish(self, t: Transfer, quiet: Future[None] | None = None) -> None:
+        """Tell that ``t`` ended (once): its waiters, the completion log, its lease."""
+        if t.done.is_set():
+            return
+        if quiet is not None and not quiet.done():
+            log.warning("transfer %s: UCX requests still in flight %.0f s after it failed; its "
+                        "pages may still change", t.id, QUIESCE_S)
+        if t.release_lease and self._leases.held(t.lease_id):
+            self._leases.release(t.lease_id, f"its transfer {t.id!r} ended")
+        self.completions.record(t)
+        t.done.set()
+        t.arrived.set()
 
     def fail(self, t: Transfer, exc: BaseException) -> None:
         """End ``t`` with ``exc``; an exception that is no kvxfer error is a bug, logged as such."""
