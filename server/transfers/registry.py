@@ -174,11 +174,11 @@ class TransferRegistry:
     def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
         """End ``t`` (once) and release what it holds; the final state follows ``error``.
 
-        A transfer that fails with UCX requests in flight is final at once, but told
-        (``wait``, ``completions``, its lease released) only once none of them can still
-        touch its pages (at most ``QUIESCE_S`` later): a receive UCX matched before the
-        failure keeps writing until it completes, and the engine may reuse the pages as
-        soon as it is told.
+        A receiving transfer that fails with UCX requests in flight is final at once, but
+        told (``wait``, ``completions``, its lease released) only once none of them can
+        still write its pages (at most ``QUIESCE_S`` later): a receive UCX matched before
+        the failure keeps writing until it completes, and the engine may reuse the pages
+        as soon as it is told.
         """
         if not t.end(error):
             return
@@ -189,6 +189,8 @@ class TransferRegistry:
         quiet = None
         if t.batch is not None and error is not None:
             quiet = self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
+            if t.role != TransferRole.RECEIVER:
+                quiet = None  # sends only read their pages; a frozen peer would hold them
         if quiet is None or quiet.done():
             self._publish(t)
         else:
