@@ -29,6 +29,7 @@ from kvxfer.client.library import AttachedPool
 from kvxfer.errors import PeerUnavailableError
 from kvxfer.pages import PageRuns
 from kvxfer.server.sessions import silence_limit_s
+from kvxfer.server.transfers.registry import QUIESCE_S
 from kvxfer.status import TransferInfo, TransferState
 from kvxfer.transport import LOOPBACK_ENV
 
@@ -256,7 +257,7 @@ def test_a_one_minute_soak_with_kills_and_freezes_keeps_every_invariant() -> Non
     assert cases == {"push", "pull", "receiver-aborts", "sender-aborts", "unfilled"}
     assert all(g["posted_requests"] == 0 and g["active_transfers"] == 0
                for g in got["idle_gauges"].values()), got["idle_gauges"]
-    assert got["worst_overshoot_s"] < 2.0
+    assert got["worst_overshoot_s"] < 2.0 + QUIESCE_S  # a receiver's end waits for its writes
     assert got["ok"], got
 
 

@@ -43,7 +43,7 @@ from kvxfer.transport import Transport
 log = logging.getLogger("kvxfer.server.transfers")
 
 #: The longest a failed transfer's end is held back for its in-flight UCX requests.
-QUIESCE_S = 5.0
+QUIESCE_S = 1.0
 
 
 class TransferRegistry:
