@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -68,7 +69,7 @@ class LateMessages:
         now = time.monotonic()
         self._watched = [w for w in self._watched if w.tags and w.until > now]
         for watched in self._watched:
-            for tag in list(watched.tags)[:PROBES_PER_STEP]:
+            for tag in list(islice(watched.tags, PROBES_PER_STEP)):
                 found = self.worker.tag_probe(self.api.UCXXTag(tag), remove=True)
                 if not found.matched:
                     continue

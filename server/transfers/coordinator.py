@@ -162,8 +162,7 @@ class TransferCoordinator:
     async def completions(self, after: int, timeout_s: float) -> tuple[list[TransferInfo], int, bool]:
         """The transfers that ended after cursor ``after`` (waiting up to ``timeout_s`` for
         one), the next cursor, and whether some were no longer retained."""
-        if not 0 <= timeout_s <= MAX_POLL_S:
-            raise InvalidRangeError(f"timeout_s={timeout_s}; expected 0 to {MAX_POLL_S:g} seconds")
+        check_seconds("timeout_s", timeout_s, most=MAX_POLL_S)
         ended, cursor, missed = await self.registry.completions.since(after, timeout_s)
         return [t.info() for t in ended], cursor, missed
 
