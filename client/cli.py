@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -12,6 +12,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvxfer.client import logs
 from kvxfer.errors import KvxferError
 
 DEFAULT_ADDRESS = "unix:///run/kvxfer/kvxfer.sock"
@@ -205,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ready-file", help="write a JSON line with the bound addresses and ports "
                                         "once serving")
     s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    s.add_argument("--log-format", choices=logs.FORMATS,
+                   default=os.environ.get("KVXFER_LOG_FORMAT", "text"),
+                   help="text lines, or JSON lines with transfer_id and trace_id on every line "
+                        "about a transfer (default: $KVXFER_LOG_FORMAT, else text)")
     from pydantic_settings import CliSettingsSource
 
     from kvxfer.server.config import DaemonConfig
@@ -255,8 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``kvxfer`` command line."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "warning").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     command: Callable[[argparse.Namespace], int] = args.func
     try:
         return command(args)

@@ -28,6 +28,7 @@ from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
+from kvxfer.propagation import outgoing_metadata
 from kvxfer.status import Completions, LeaseInfo, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -103,7 +104,11 @@ CHANNEL_OPTIONS = [
 
 
 class KvxferClient:
-    """A synchronous client of one daemon's worker API (``unix://...`` or ``host:port``)."""
+    """A synchronous client of one daemon's worker API (``unix://...`` or ``host:port``).
+
+    Every call carries the caller's current OpenTelemetry trace context, so a transfer's
+    spans on both daemons join the engine's trace of the request.
+    """
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
         self.address = address
@@ -117,7 +122,7 @@ class KvxferClient:
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
         try:
-            return method(request, timeout=timeout or self.timeout_s)
+            return method(request, timeout=timeout or self.timeout_s, metadata=outgoing_metadata())
         except grpc.RpcError as exc:
             assert isinstance(exc, grpc.Call)  # what grpc raises for a failed call is both
             raise from_rpc_error(exc) from None

@@ -231,9 +231,15 @@ class DaemonConfig(BaseSettings):
     shm_dir: str = _setting(
         "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
                     "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")
+    otlp_endpoint: str = _setting(
+        "", "host:port of an OpenTelemetry collector (OTLP over gRPC) to export transfer spans "
+            "to, e.g. 127.0.0.1:4317 (empty: tracing off)")
     metrics_port: int | None = _setting(
-        None, "serve Prometheus metrics on 127.0.0.1:PORT (0: any free port; unset: off)",
+        None, "serve Prometheus metrics on METRICS_HOST:PORT (0: any free port; unset: off)",
         "a port from 0 to 65535", **PORT)
+    metrics_host: str = _setting(
+        "127.0.0.1", "address the metrics port binds (0.0.0.0 in a Kubernetes pod, so that "
+                     "Prometheus can scrape it; the metrics carry no secrets)")
 
     @model_validator(mode="before")
     @classmethod

@@ -29,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import InvalidSpecError
 from kvxfer.server.config import DaemonConfig
-from kvxfer.server.interceptors import ErrorMapping, PeerAuthorization, RpcMetrics
+from kvxfer.server.interceptors import ErrorMapping, PeerAuthorization, RpcMetrics, TraceContext
 from kvxfer.server.leases import PageLeases
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.peer_client import PeerClients
@@ -38,6 +38,7 @@ from kvxfer.server.servicers.peer import PeerService
 from kvxfer.server.servicers.worker import WorkerService
 from kvxfer.server.sessions import DaemonIdentity, Sessions
 from kvxfer.server.tls import PeerTls, check_peer_binding
+from kvxfer.server.tracing import TransferTracing, export_to
 from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -123,7 +124,8 @@ class Daemon:
         if config.peer_allow and self._tls is None:
             raise InvalidSpecError("peer_allow names certificate identities: it needs mutual "
                                    "TLS (--peer-tls-cert, --peer-tls-key, --peer-tls-ca)")
-        interceptors: list[grpc.aio.ServerInterceptor] = [RpcMetrics(self.metrics), ErrorMapping()]
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            TraceContext(), RpcMetrics(self.metrics), ErrorMapping()]
         peer_interceptors = list(interceptors)
         if config.peer_allow:
             peer_interceptors.append(PeerAuthorization(frozenset(config.peer_allow)))
@@ -136,7 +138,7 @@ class Daemon:
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
         self.transport: Transport | None = None
-        self._clients = PeerClients(self._tls)
+        self._clients = PeerClients(self.metrics, self._tls)
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None
         self._socket: Path | None = _unix_path(config.worker_address)
@@ -186,6 +188,7 @@ class Daemon:
                                  config.limits)
         leases = PageLeases(self.pools, config.lease_s)
         registry = TransferRegistry(self.pools, leases, transport, self.metrics,
+                                    TransferTracing(advertise),
                                     default_timeout_s=config.default_timeout_s,
                                     retain=config.retain_transfers, limits=config.limits)
         sender = Sender(registry, self.sessions, transport, chunk_bytes=config.chunk_bytes,
@@ -210,7 +213,7 @@ class Daemon:
             os.chmod(self._socket, 0o600 if self._group is None else 0o660)
         metrics_port = None
         if config.metrics_port is not None:
-            metrics_port = self.metrics.serve(config.metrics_port)
+            metrics_port = self.metrics.serve(config.metrics_port, config.metrics_host)
         await self._set_health(serving=True)
         log.info("serving pools %s: workers at %s, peers at %s (%s), UCX at %s ports %s",
                  config.pool_names, worker_address, advertise,
@@ -266,9 +269,14 @@ SWITCH_INTERVAL_S = 0.0002
 def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     """Entry point for ``kvxfer serve``: run the daemon, return the exit code.
 
-    The process is the daemon's own, so the GIL switch interval is set here (never by
-    ``Daemon``, which may run inside someone else's process).
+    The process is the daemon's own, so the GIL switch interval and the span exporter
+    are set here (never by ``Daemon``, which may run inside someone else's process).
     """
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    asyncio.run(serve(config, ready_file))
+    spans = export_to(config.otlp_endpoint, "kvxfer") if config.otlp_endpoint else None
+    try:
+        asyncio.run(serve(config, ready_file))
+    finally:
+        if spans is not None:
+            spans.shutdown()
     return 0

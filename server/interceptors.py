@@ -1,26 +1,30 @@
-"""What every RPC of both services goes through: error mapping, per-RPC metrics, and on
-the peer port, authorization.
+"""What every RPC of both services goes through: the caller's trace context, error
+mapping, per-RPC metrics, and on the peer port, authorization.
 
 ``ErrorMapping`` is the one boundary where errors become gRPC status: a
 ``kvxfer.errors`` type aborts the call with its rich status (code, message and
 an ErrorInfo naming the type, so the caller gets the same type back); anything
 else is a bug and aborts with INTERNAL, logged with its traceback. The daemon
 keeps serving either way. ``RpcMetrics`` counts every call by method and the
-status code it ended with. Both wrap every kind of method (streams too, the
-standard health and reflection services' included).
+status code it ended with, and times it. These wrap every kind of method (streams
+too, the standard health and reflection services' included). ``TraceContext``
+makes the trace context a unary call carries current while its handler runs.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeAlias
 
 import grpc
+from opentelemetry import context as otel_context
 
 from kvxfer.errors import InternalError, KvxferError, PeerNotAllowedError
+from kvxfer.propagation import incoming_context
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.tls import identities
 from kvxfer.wire.status import to_rpc_status
@@ -99,14 +103,18 @@ class RpcMetrics(_Wrapping):
 
     def __init__(self, metrics: DaemonMetrics) -> None:
         self._rpcs = metrics.rpcs
+        self._seconds = metrics.rpc_seconds
 
     @asynccontextmanager
     async def _around(self, method: str, context: Context) -> AsyncIterator[None]:
+        start = time.monotonic()
         try:
             yield
         except BaseException:
             self._count(method, context, failed=True)
             raise
+        finally:
+            self._seconds.labels(method).observe(time.monotonic() - start)
         self._count(method, context, failed=False)
 
     def _count(self, method: str, context: Context, *, failed: bool) -> None:
@@ -116,6 +124,23 @@ class RpcMetrics(_Wrapping):
             code = grpc.StatusCode.CANCELLED if failed else grpc.StatusCode.OK
         name = code.name if isinstance(code, grpc.StatusCode) else str(code)
         self._rpcs.labels(method, name).inc()
+
+
+class TraceContext(_Wrapping):
+    """A unary call runs in the trace context its metadata carries (W3C ``traceparent``), so
+    the spans it starts continue the caller's trace. Streams (heartbeats, health watches)
+    are left as they are."""
+
+    @asynccontextmanager
+    async def _around(self, method: str, context: Context) -> AsyncIterator[None]:
+        token = otel_context.attach(incoming_context(context.invocation_metadata()))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def _stream(self, method: str, behaviour: Callable[[Any, Context], Any]) -> Streaming:
+        return behaviour
 
 
 async def _abort(context: Context, method: str, exc: Exception) -> None:

@@ -10,6 +10,8 @@ Retries are gRPC's own (a service config on the channel), for the calls that
 are safe to repeat: a handshake (a session whose reply was lost is dropped by
 the peer when no Watch stream follows) and an abort (idempotent), on
 UNAVAILABLE only. A claim, a commit or a push request is never repeated.
+Each call carries the caller's trace context and its round trip is measured
+(``kvxfer_peer_call_seconds``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
+from kvxfer.propagation import outgoing_metadata
+from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.peer_protocol import (
     Claim,
     ClaimGrant,
@@ -63,7 +67,6 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-T = TypeVar("T")
 #: The least time a call is given, so that a call made at its deadline still says why it failed.
 MIN_CALL_S = 0.1
 
@@ -95,21 +98,25 @@ class WatchStream:
 class PeerClient:
     """The KvxferPeer service of one peer daemon, with typed arguments, results and errors."""
 
-    def __init__(self, address: str, channel: grpc.aio.Channel) -> None:
+    def __init__(self, address: str, channel: grpc.aio.Channel, metrics: DaemonMetrics) -> None:
         self.address = address
         self._stub = pb_grpc.KvxferPeerStub(channel)
         self._prefix = f"peer {address}: "
+        self._seconds = metrics.peer_call_seconds
 
-    async def _call(self, rpc: Callable[..., Awaitable[T]], request: Any, timeout: float,
-                    what: str = "") -> T:
+    async def _call(self, method: str, request: Any, timeout: float, what: str = "") -> Any:
+        rpc: Callable[..., Awaitable[Any]] = getattr(self._stub, method)
+        start = time.monotonic()
         try:
-            return await rpc(request, timeout=timeout)
+            return await rpc(request, timeout=timeout, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, f"{self._prefix}{what}") from None
+        finally:
+            self._seconds.labels(method).observe(time.monotonic() - start)
 
     async def handshake(self, hello: DaemonHello, deadline: float) -> DaemonHello:
         """Open a session: tell the peer who we are; its answer says who it is."""
-        reply = await self._call(self._stub.Handshake, hello_to_request(hello), time_left(deadline),
+        reply = await self._call("Handshake", hello_to_request(hello), time_left(deadline),
                                  "handshake failed: ")
         return hello_from_response(reply)
 
@@ -129,28 +136,29 @@ class PeerClient:
         The call may take until the transfer's deadline (the peer waits for the
         matching expect), plus a moment so that the peer's own deadline error arrives.
         """
-        reply = await self._call(self._stub.Claim, claim_to_proto(claim), time_left(deadline, 0.5))
+        reply = await self._call("Claim", claim_to_proto(claim), time_left(deadline, 0.5))
         return grant_from_proto(reply)
 
     async def commit(self, commit: Commit, deadline: float) -> TransferInfo:
         """Hand over the checksums; the peer's final status of the transfer."""
-        reply = await self._call(self._stub.Commit, commit_to_proto(commit), time_left(deadline, 0.5))
+        reply = await self._call("Commit", commit_to_proto(commit), time_left(deadline, 0.5))
         return info_from_proto(reply)
 
     async def request_push(self, request: PushRequest, deadline: float) -> None:
         """Ask the peer to push an offered transfer to us."""
-        await self._call(self._stub.RequestPush, push_request_to_proto(request),
+        await self._call("RequestPush", push_request_to_proto(request),
                          time_left(deadline, 0.5))
 
     async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:
         """Tell the peer a transfer ended here."""
-        await self._call(self._stub.AbortTransfer, abort_to_proto(abort), timeout_s)
+        await self._call("AbortTransfer", abort_to_proto(abort), timeout_s)
 
 
 class PeerClients:
     """One cached channel (and client) per peer address."""
 
-    def __init__(self, tls: PeerTls | None = None) -> None:
+    def __init__(self, metrics: DaemonMetrics, tls: PeerTls | None = None) -> None:
+        self._metrics = metrics
         self._tls = tls
         self._clients: dict[str, PeerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -165,7 +173,7 @@ class PeerClients:
                 channel = grpc.aio.secure_channel(address, self._tls.channel_credentials(),
                                                   options=CHANNEL_OPTIONS)
             self._channels.append(channel)
-            client = self._clients[address] = PeerClient(address, channel)
+            client = self._clients[address] = PeerClient(address, channel, self._metrics)
         return client
 
     async def close(self) -> None:

@@ -79,6 +79,7 @@ class Receiver:
             raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
         t.session_id = claim.session_id
         t.peer = t.peer or session.peer_address
+        self._registry.tracing.join(t)
         try:
             grant = self._post(t, claim, session)
         except KvxferError as exc:
@@ -114,7 +115,8 @@ class Receiver:
 
     async def _receive(self, t: Transfer, batch: Batch, session: InboundSession) -> None:
         try:
-            await session.guard(asyncio.wrap_future(batch.future))
+            with self._registry.tracing.phase(t, "data"):
+                await session.guard(asyncio.wrap_future(batch.future))
             t.data_finished = time.monotonic()
             if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
                 t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
@@ -134,16 +136,17 @@ class Receiver:
         t = self._registry.get(commit.transfer_id)
         if t.role != TransferRole.RECEIVER or t.session_id != commit.session_id:
             raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
-        try:
-            await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
-        except TimeoutError:
-            pass  # the deadline timer ends it; report what it ended as
-        if not t.state.final and commit.checksums:
-            failure = await self._verify(t, commit.checksums)
-            t.verified = failure is None
-            self._registry.finish(t, failure)
-        elif not t.state.final:
-            self._registry.finish(t)
+        with self._registry.tracing.phase(t, "commit", in_call=True):
+            try:
+                await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
+            except TimeoutError:
+                pass  # the deadline timer ends it; report what it ended as
+            if not t.state.final and commit.checksums:
+                failure = await self._verify(t, commit.checksums)
+                t.verified = failure is None
+                self._registry.finish(t, failure)
+            elif not t.state.final:
+                self._registry.finish(t)
         return t.info()
 
     async def _verify(self, t: Transfer, expected: tuple[int, ...]) -> IntegrityError | None:
@@ -168,6 +171,7 @@ class Receiver:
     async def _request_push(self, t: Transfer) -> None:
         request = PushRequest(t.id, self._peer_address, t.pool.name, t.remaining())
         try:
-            await self._clients.get(t.peer).request_push(request, t.deadline)
+            with self._registry.tracing.phase(t, "request_push"):
+                await self._clients.get(t.peer).request_push(request, t.deadline)
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._registry.fail(t, exc)

@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
 from kvxfer.errors import InternalError, KvxferError, TransferAbortedError, TransferDeadlineError
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.server.pools import Pool
@@ -54,7 +57,8 @@ class Transfer:
     it failed with some); ``arrived`` also when its bytes have all landed (a receiver
     that still has to verify them).
     ``peer_identity``, when set, is the only peer (by certificate name) that may
-    claim, pull, or abort it before a session has claimed it.
+    claim, pull, or abort it before a session has claimed it. ``spans`` end with it;
+    ``trace`` is the context its phases' spans belong to (``kvxfer.server.tracing``).
     """
 
     id: str
@@ -72,6 +76,7 @@ class Transfer:
     state: TransferState = TransferState.WAITING
     history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
     created_unix: float = field(default_factory=time.time)
+    registered: float = field(default_factory=time.monotonic)
     started: float | None = None
     finished: float | None = None
     data_finished: float | None = None
@@ -84,6 +89,8 @@ class Transfer:
     task: asyncio.Task[Any] | None = None
     batch: Batch | None = None
     timer: asyncio.TimerHandle | None = None
+    spans: list[Span] = field(default_factory=list)
+    trace: Context | None = None
 
     def advance(self, state: TransferState) -> None:
         """Move to ``state``; raises InternalError if the table does not allow it."""
@@ -109,6 +116,14 @@ class Transfer:
         self.error = error
         self.finished = time.monotonic()
         return True
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """What every log line about this transfer carries (JSON logs show them): its id
+        and the id of the trace it is driven in (empty when no call about it carried one)."""
+        context = self.spans[-1].get_span_context() if self.spans else None
+        trace_id = format(context.trace_id, "032x") if context is not None and context.is_valid else ""
+        return {"transfer_id": self.id, "trace_id": trace_id}
 
     @property
     def bytes_total(self) -> int:

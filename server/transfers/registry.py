@@ -35,6 +35,7 @@ from kvxfer.server.leases import PageLeases
 from kvxfer.server.limits import Limits, check_below, check_id, check_seconds
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.pools import PoolRegistry
+from kvxfer.server.tracing import TransferTracing
 from kvxfer.server.transfers.completions import CompletionLog
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import TransferRole
@@ -50,13 +51,14 @@ class TransferRegistry:
     """Registers, finds, pairs up and ends this daemon's transfers."""
 
     def __init__(self, pools: PoolRegistry, leases: PageLeases, transport: Transport,
-                 metrics: DaemonMetrics, *, default_timeout_s: float, retain: int,
-                 limits: Limits) -> None:
+                 metrics: DaemonMetrics, tracing: TransferTracing, *, default_timeout_s: float,
+                 retain: int, limits: Limits) -> None:
         self._pools = pools
         self._leases = leases
         self.completions = CompletionLog(retain)
         self._transport = transport
         self._metrics = metrics
+        self.tracing = tracing
         self.default_timeout_s = default_timeout_s
         self._retain = retain
         self._limits = limits
@@ -127,6 +129,7 @@ class TransferRegistry:
         self._transfers[transfer_id] = t
         self._active += 1
         self._metrics.active.labels(role.name.lower()).inc()
+        self.tracing.begin(t)
         self._prune()
         early = self._aborted_early.pop(transfer_id, None)
         if early is not None and (not peer_identity or peer_identity in early[1]):
@@ -198,15 +201,15 @@ class TransferRegistry:
             quiet.add_done_callback(lambda _: loop.call_soon_threadsafe(self._publish, t))
             loop.call_later(QUIESCE_S, self._publish, t, quiet)
         self._active -= 1
+        self._metrics.ended(t, error)
+        self.tracing.end(t, error)
         role = t.role.name.lower()
-        self._metrics.active.labels(role).dec()
-        self._metrics.transfers.labels(role, t.state.name.lower()).inc()
         if error is None:
-            self._metrics.bytes.labels(role).inc(t.bytes_total)
             log.info("transfer %s %s done: %d bytes in %.3fs", t.id, role, t.bytes_total,
-                     (t.finished or 0.0) - (t.started or t.finished or 0.0))
+                     (t.finished or 0.0) - (t.started or t.finished or 0.0), extra=t.log_fields)
         else:
-            log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error)
+            log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error,
+                        extra=t.log_fields)
 
     def _publish(self, t: Transfer, quiet: Future[None] | None = None) -> None:
         """Tell that ``t`` ended (once): its waiters, the completion log, its lease."""
@@ -214,7 +217,7 @@ class TransferRegistry:
             return
         if quiet is not None and not quiet.done():
             log.warning("transfer %s: UCX requests still in flight %.0f s after it failed; its "
-                        "pages may still change", t.id, QUIESCE_S)
+                        "pages may still change", t.id, QUIESCE_S, extra=t.log_fields)
         if t.release_lease and self._leases.held(t.lease_id):
             self._leases.release(t.lease_id, f"its transfer {t.id!r} ended")
         self.completions.record(t)
@@ -224,7 +227,7 @@ class TransferRegistry:
     def fail(self, t: Transfer, exc: BaseException) -> None:
         """End ``t`` with ``exc``; an exception that is no kvxfer error is a bug, logged as such."""
         if not isinstance(exc, KvxferError):
-            log.error("transfer %s failed unexpectedly", t.id, exc_info=exc)
+            log.error("transfer %s failed unexpectedly", t.id, exc_info=exc, extra=t.log_fields)
             exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         self.finish(t, exc)
 

@@ -66,11 +66,13 @@ class Sender:
         if t.peer or t.task is not None:
             raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
         t.peer = request.reply_to
+        self._registry.tracing.join(t)
         self.start(t)
 
     async def _push(self, t: Transfer) -> None:
         try:
-            session = await self._sessions.outbound(t.peer, t.deadline)
+            with self._registry.tracing.phase(t, "session"):
+                session = await self._sessions.outbound(t.peer, t.deadline)
             t.session_id = session.session_id
             await session.guard(self._run(t, session))
         except asyncio.CancelledError:
@@ -83,7 +85,9 @@ class Sender:
         connection = session.connection
         claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.remaining(), t.verify,
                       self._chunk_bytes, connection.lanes)
-        grant = await session.client.claim(claim, t.deadline)
+        tracing = self._registry.tracing
+        with tracing.phase(t, "claim"):
+            grant = await session.client.claim(claim, t.deadline)
         dst = session.pools.get(grant.dst_pool)
         if dst is None:
             raise IncompatibleLayoutError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
@@ -96,18 +100,21 @@ class Sender:
         t.begin(chunks, grant.lanes)
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
-        t.batch = self._transport.send(
-            connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
-            self._window_bytes, grant.lanes)
-        # Checksums are computed in a worker thread while UCX sends: both only read the pages.
-        checksums = await asyncio.to_thread(lambda: [checksum(b) for b in buffers]) if t.verify else []
-        await asyncio.wrap_future(t.batch.future)
+        with tracing.phase(t, "data"):
+            t.batch = self._transport.send(
+                connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
+                self._window_bytes, grant.lanes)
+            # Checksums are computed in a worker thread while UCX sends: both only read the pages.
+            checksums = (await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
+                         if t.verify else [])
+            await asyncio.wrap_future(t.batch.future)
         t.data_finished = time.monotonic()
         if not t.verify:
             self._registry.finish(t)
             return
-        outcome = await session.client.commit(
-            Commit(t.id, session.session_id, tuple(checksums)), t.deadline)
+        with tracing.phase(t, "commit"):
+            outcome = await session.client.commit(
+                Commit(t.id, session.session_id, tuple(checksums)), t.deadline)
         t.verified = outcome.verified
         failure = outcome.failure
         if failure is not None:
