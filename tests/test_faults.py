@@ -258,6 +258,8 @@ def test_a_one_minute_soak_with_kills_and_freezes_keeps_every_invariant() -> Non
     assert all(g["posted_requests"] == 0 and g["active_transfers"] == 0
                for g in got["idle_gauges"].values()), got["idle_gauges"]
     assert got["worst_overshoot_s"] < 2.0 + QUIESCE_S  # a receiver's end waits for its writes
+    # A transfer that met a freeze (6 s here) is told once its daemon thaws.
+    assert got["worst_overshoot_in_fault_s"] < LIVENESS_S + 2 + 2.0 + QUIESCE_S
     assert got["ok"], got
 
 
