@@ -232,8 +232,10 @@ class DaemonConfig(BaseSettings):
         "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
                     "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")
     otlp_endpoint: str = _setting(
-        "", "host:port of an OpenTelemetry collector (OTLP over gRPC) to export transfer spans "
-            "to, e.g. 127.0.0.1:4317 (empty: tracing off)")
+        "", "an OpenTelemetry collector (OTLP over gRPC) to export transfer spans to: "
+            "http://HOST:PORT (plaintext, e.g. a collector in the pod) or https://HOST:PORT "
+            "(TLS) (empty: tracing off)",
+        "empty, http://HOST:PORT or https://HOST:PORT", pattern=r"^(https?://[^/\s]+/?)?$")
     metrics_port: int | None = _setting(
         None, "serve Prometheus metrics on METRICS_HOST:PORT (0: any free port; unset: off)",
         "a port from 0 to 65535", **PORT)

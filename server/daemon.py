@@ -273,10 +273,7 @@ def run(config: DaemonConfig, ready_file: str | None = None) -> int:
     are set here (never by ``Daemon``, which may run inside someone else's process).
     """
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    spans = export_to(config.otlp_endpoint, "kvxfer") if config.otlp_endpoint else None
-    try:
-        asyncio.run(serve(config, ready_file))
-    finally:
-        if spans is not None:
-            spans.shutdown()
+    if config.otlp_endpoint:
+        export_to(config.otlp_endpoint, "kvxfer")  # flushed at exit by the SDK's own hook
+    asyncio.run(serve(config, ready_file))
     return 0

@@ -41,7 +41,8 @@ TRACER = trace.get_tracer("kvxfer")
 
 
 def export_to(endpoint: str, service_name: str) -> TracerProvider:
-    """Export this process's spans by OTLP/gRPC to ``endpoint`` (host:port of a collector)."""
+    """Export this process's spans by OTLP/gRPC to ``endpoint`` (``http://HOST:PORT``, or
+    ``https://`` for TLS)."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))

@@ -66,6 +66,9 @@ def test_unknown_config_keys_are_refused(tmp_path: Path) -> None:
         ({"grace_s": -1}, r"grace_s=-1; expected 0 or more seconds"),
         ({"ucx_port": 70000}, r"ucx_port=70000; expected a port from 0 to 65535"),
         ({"metrics_port": "9400x"}, r"metrics_port='9400x'; expected a port"),
+        # A bare host:port would make the OTLP exporter try TLS against a plaintext collector.
+        ({"otlp_endpoint": "127.0.0.1:4317"},
+         r"otlp_endpoint='127.0.0.1:4317'; expected empty, http://HOST:PORT or https://HOST:PORT"),
     ],
 )
 def test_bad_transfer_settings_are_refused_clearly(overrides: dict, message: str) -> None:

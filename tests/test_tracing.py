@@ -3,26 +3,34 @@ the peer daemon, spans exported with the SDK's in-memory exporter.
 
 The daemons run in this process (real gRPC servers and sessions, the in-memory data
 plane), so that one exporter sees the spans of both; ``kvxfer.daemon`` tells them apart.
-Across real processes the same trace id shows in both daemons' JSON logs
-(``test_daemon.py``).
+The last test runs real daemons that export by OTLP to a collector the test serves (the
+same trace id also shows in both daemons' JSON logs: ``test_observability.py``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import grpc
 import pytest
 from fake_transport import FakeNetwork
 from inprocess import DaemonThread
-from opentelemetry import trace
+from opentelemetry import context, trace
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from kvxfer.client import KvxferClient
+from kvxfer.client.spawn import LocalDaemon
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferState
 
+POOL = "name=kv,preset=tiny"
 RUNS = PageRuns.of([(0, 3), (10, 2)])
 DST = PageRuns.of([(20, 5)])
 
@@ -130,3 +138,63 @@ def test_a_failed_transfer_ends_its_spans_with_the_error(daemons, exporter) -> N
     assert span.attributes["kvxfer.state"] == "ABORTED"
     assert span.status.status_code == trace.StatusCode.ERROR
     assert "the engine dropped the request" in (span.status.description or "")
+
+
+class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, Any]] = []  # (the exporting service's name, span)
+        self.lock = threading.Lock()
+
+    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC method
+        with self.lock:
+            for resource_spans in request.resource_spans:
+                service = next((a.value.string_value for a in resource_spans.resource.attributes
+                                if a.key == "service.name"), "")
+                for scope in resource_spans.scope_spans:
+                    self.spans.extend((service, span) for span in scope.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+def _attributes(span: Any) -> dict[str, Any]:
+    return {a.key: a.value.string_value or a.value.int_value for a in span.attributes}
+
+
+@pytest.mark.slow
+def test_real_daemons_export_one_trace_to_an_otlp_collector(tmp_path) -> None:
+    """Two ``kvxfer serve`` processes with ``--otlp-endpoint``: a push inside the engine's
+    trace reaches the collector as spans of both daemons in that trace, data phases included."""
+    collector = _Collector()
+    server = grpc.server(ThreadPoolExecutor(4))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    trace_id = 0x0AF7651916CD43DD8448EB211C80319C
+    try:
+        args = ["--otlp-endpoint", f"http://127.0.0.1:{port}"]
+        with LocalDaemon("prefill", [POOL], workdir=str(tmp_path / "p"), extra_args=args) as pre, \
+                LocalDaemon("decode", [POOL], workdir=str(tmp_path / "d"), extra_args=args) as dec:
+            with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+                d.expect("exported", "kv", DST, timeout_s=20)
+                engine = SpanContext(trace_id, 0x00F067AA0BA902B7, is_remote=True,
+                                     trace_flags=TraceFlags(TraceFlags.SAMPLED))
+                token = context.attach(trace.set_span_in_context(NonRecordingSpan(engine)))
+                try:
+                    p.push("exported", "kv", RUNS, peer=dec.peer_address, timeout_s=20, verify=True)
+                finally:
+                    context.detach(token)
+                assert p.wait("exported").ok and d.wait("exported").ok
+            daemons = {pre.peer_address: "prefill", dec.peer_address: "decode"}
+        # Both daemons flushed their spans when they stopped.
+        with collector.lock:
+            spans = [(service, s) for service, s in collector.spans
+                     if int.from_bytes(s.trace_id, "big") == trace_id]
+        assert {service for service, _ in spans} == {"kvxfer"}
+        seen = {(s.name, daemons.get(str(_attributes(s).get("kvxfer.daemon")))) for _, s in spans}
+        assert {("kvxfer.transfer", "prefill"), ("kvxfer.data", "prefill"),
+                ("kvxfer.claim", "prefill"), ("kvxfer.commit", "prefill"),
+                ("kvxfer.transfer", "decode"), ("kvxfer.data", "decode"),
+                ("kvxfer.commit", "decode")} <= seen, seen
+    finally:
+        server.stop(None)
