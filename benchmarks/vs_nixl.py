@@ -44,7 +44,7 @@ from transfer_bandwidth import daemon_pair, print_result, rounds_parser, ucx_env
 
 from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
-from kvxfer.server.config import PRESETS
+from kvxfer.server.config import spec_from_dict
 from kvxfer.transport import LOOPBACK_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,8 +54,7 @@ CHUNK_BYTES = 4 << 20
 
 
 def page_bytes(preset: str) -> int:
-    p = PRESETS[preset]
-    return p["layer_num"] * 2 * p["head_num"] * p["head_dim"] * 2 * p["page_size"]
+    return int(spec_from_dict({"preset": preset}).page_bytes)
 
 
 def segments(src: PageRuns, dst: PageRuns, size: int) -> list[list[int]]:
@@ -108,7 +107,7 @@ class NixlPair:
 
     def __init__(self, preset: str, memory: str, eh: str, env: dict[str, str]) -> None:
         self.size = page_bytes(preset)
-        self.num_pages = int(PRESETS[preset]["num_pages"])
+        self.num_pages = int(spec_from_dict({"preset": preset}).num_pages)
         total = self.size * self.num_pages
         self.initiator = _Agent("initiator", total, memory, eh, env)
         self.target = _Agent("target", total, memory, eh, env)

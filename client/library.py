@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvxfer.descriptor import PoolDescriptor
+from kvxfer.health_probe import health_check
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
@@ -115,10 +116,7 @@ class KvxferClient:
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KvxferStub(self._channel)
-        self._health_check = self._channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        self._health_check = health_check(self._channel)
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
         try:

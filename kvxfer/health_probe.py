@@ -10,20 +10,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 
+def health_check(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable[Any, Any]:
+    """The standard ``Health/Check`` method on ``channel``."""
+    return channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+
+
 def check(address: str, timeout_s: float, service: str = "") -> str:
     """The health status name the daemon at ``address`` reports for ``service``."""
     with grpc.insecure_channel(address) as channel:
-        ask = channel.unary_unary(
-            "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString)
-        reply = ask(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        reply = health_check(channel)(health_pb2.HealthCheckRequest(service=service),
+                                      timeout=timeout_s)
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
 def main(argv: list[str] | None = None) -> int:

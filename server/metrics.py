@@ -62,6 +62,10 @@ class DaemonMetrics:
             "error's wire reason, e.g. PEER_UNAVAILABLE, TRANSFER_DEADLINE_EXCEEDED)",
             ["role", "reason"], registry=self.registry)
 
+    def registered(self, t: Transfer) -> None:
+        """Count ``t``, just registered, as active."""
+        self.active.labels(t.role.name.lower()).inc()
+
     def ended(self, t: Transfer, error: KvxferError | None) -> None:
         """Count ``t``, which just ended with ``error`` (None: DONE), as no longer active."""
         role = t.role.name.lower()

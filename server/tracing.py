@@ -40,7 +40,7 @@ from kvxfer.server.transfers.record import Transfer
 TRACER = trace.get_tracer("kvxfer")
 
 
-def export_to(endpoint: str, service_name: str) -> TracerProvider:
+def export_to(endpoint: str, service_name: str) -> None:
     """Export this process's spans by OTLP/gRPC to ``endpoint`` (``http://HOST:PORT``, or
     ``https://`` for TLS)."""
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -48,7 +48,6 @@ def export_to(endpoint: str, service_name: str) -> TracerProvider:
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     trace.set_tracer_provider(provider)
-    return provider
 
 
 class TransferTracing:

@@ -128,7 +128,7 @@ class TransferRegistry:
         self._transfers.pop(transfer_id, None)
         self._transfers[transfer_id] = t
         self._active += 1
-        self._metrics.active.labels(role.name.lower()).inc()
+        self._metrics.registered(t)
         self.tracing.begin(t)
         self._prune()
         early = self._aborted_early.pop(transfer_id, None)
