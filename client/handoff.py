@@ -1,21 +1,30 @@
 """One transfer from a prefill daemon to a decode daemon, driven from one place.
 
-What a disaggregated deployment does per request, in the right order: in push
-mode the decode side expects the pages and the prefill side pushes them; in
-pull mode the prefill side offers them and the decode side pulls. Then it waits
-for both sides. If the side that drives the transfer fails, the other side is
-aborted at once (as an engine would) instead of running into its deadline. The
-demo, ``kvxfer bench`` and the benchmarks all move pages through ``hand_off``.
+What a disaggregated deployment does per request: in push mode the decode side
+expects the pages and the prefill side pushes them; in pull mode the prefill side
+offers them and the decode side pulls. Both verbs are sent at once with ``wait``,
+so each answers when its side is final: one round trip per side, overlapping,
+instead of a verb and a ``wait`` each in turn (the daemons pair the two sides
+whichever arrives first). If either side fails, the other is aborted at once (as an
+engine would) instead of running into its deadline. The demo, ``kvxfer bench`` and
+the benchmarks all move pages through ``hand_off``.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
 from kvxfer.client.library import KvxferClient
+from kvxfer.errors import KvxferError, TransferNotFoundError
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferInfo
+
+#: Runs both sides' blocking calls (a gRPC call waits in C, without the GIL).
+_SIDES = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kvxfer-hand-off")
+#: How often an abort is tried again while the transfer is not registered there yet.
+ABORT_RETRY_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -52,20 +61,52 @@ def hand_off(prefill: KvxferClient, decode: KvxferClient, transfer_id: str, *, p
 
     Push mode needs ``decode_peer`` (the decode daemon's peer address), pull mode
     ``prefill_peer``. Errors of the calls themselves (a bad range, an unknown pool)
-    raise their ``kvxfer.errors`` type; how the transfer ended is in the result.
+    raise their ``kvxfer.errors`` type once the other side was ended too; how the
+    transfer ended is in the result.
     """
+    sent: Future[TransferInfo]
+    received: Future[TransferInfo]
     if mode == "push":
-        decode.expect(transfer_id, pool, dst, timeout_s=timeout_s)
-        prefill.push(transfer_id, pool, src, peer=decode_peer, timeout_s=timeout_s, verify=verify)
-        first, second = prefill, decode
+        received = _SIDES.submit(decode.expect, transfer_id, pool, dst, timeout_s, wait=True)
+        sent = _SIDES.submit(prefill.push, transfer_id, pool, src, decode_peer, timeout_s,
+                             verify, wait=True)
+        driver = sent
     else:
-        prefill.offer(transfer_id, pool, src, timeout_s=timeout_s, verify=verify)
-        decode.pull(transfer_id, prefill_peer, pool, dst, timeout_s=timeout_s)
-        first, second = decode, prefill
-    driver = first.wait(transfer_id, timeout_s=timeout_s + 5)
-    if not driver.ok:
-        other = second.abort(transfer_id, f"the other side ended {driver.state.name}")
-    else:
-        other = second.wait(transfer_id, timeout_s=timeout_s + 5)
-    sent, received = (driver, other) if mode == "push" else (other, driver)
-    return Handoff(sent, received, mode)
+        sent = _SIDES.submit(prefill.offer, transfer_id, pool, src, timeout_s, verify, wait=True)
+        received = _SIDES.submit(decode.pull, transfer_id, prefill_peer, pool, dst, timeout_s,
+                                 wait=True)
+        driver = received
+    daemon_of = {sent: prefill, received: decode}
+    pending: set[Future[TransferInfo]] = {sent, received}
+    while pending:
+        ended, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for side in ended:
+            why = _why_end_the_other(side, side is driver)
+            for other in pending if why else ():
+                _abort_until_answered(daemon_of[other], transfer_id, why, other)
+    return Handoff(sent.result(), received.result(), mode)
+
+
+def _why_end_the_other(side: Future[TransferInfo], drives: bool) -> str:
+    """Why the other side must be aborted now that ``side`` answered ("" if it need not):
+    a side was refused, or the side that drives the transfer failed."""
+    error = side.exception()
+    if error is not None:
+        return f"the other side was refused: {error}"
+    state = side.result()
+    return f"the other side ended {state.state.name}" if drives and not state.ok else ""
+
+
+def _abort_until_answered(client: KvxferClient, transfer_id: str, reason: str,
+                          call: Future[TransferInfo]) -> None:
+    """Abort ``transfer_id`` on ``client``'s daemon until ``call`` (that side's verb, sent
+    at the same time) has answered: it may not have registered the transfer yet. Bounded
+    by that call's own deadline."""
+    while not call.done():
+        try:
+            client.abort(transfer_id, reason)
+            return
+        except TransferNotFoundError:
+            wait([call], timeout=ABORT_RETRY_S)
+        except KvxferError:
+            return  # that daemon cannot be reached: its call fails by itself

@@ -104,6 +104,11 @@ CHANNEL_OPTIONS = [
 ]
 
 
+#: The daemon's default transfer deadline (``--default-timeout-s``): how long a verb called with
+#: ``wait`` and no ``timeout_s`` may take before the client gives up on the answer.
+DEFAULT_DEADLINE_S = 30.0
+
+
 class KvxferClient:
     """A synchronous client of one daemon's worker API (``unix://...`` or ``host:port``).
 
@@ -156,45 +161,62 @@ class KvxferClient:
 
     # -- transfers --------------------------------------------------------------------
 
+    def _verb(self, method: Callable[..., pb.TransferStatus], request: Any, timeout_s: float,
+              wait: bool) -> TransferInfo:
+        """Call a transfer verb. Without ``wait`` the answer is the registered transfer's
+        status; with it, its final status (one round trip instead of verb + ``wait``), the
+        call bounded by the transfer's deadline (``DEFAULT_DEADLINE_S`` when 0) + 5 s."""
+        timeout = (timeout_s or DEFAULT_DEADLINE_S) + 5 if wait else None
+        return info_from_proto(self._call(method, request, timeout))
+
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
                timeout_s: float = 0.0, *, lease_id: str = "",
-               release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
+               release_lease: bool = False, peer_identity: str = "",
+               wait: bool = False) -> TransferInfo:
         """Register destination pages for ``transfer_id`` (decode side). With ``lease_id``
         the pages must be the lease's, and ``release_lease`` ends the lease with the transfer;
-        with ``peer_identity`` only the peer with that certificate name may fill them."""
+        with ``peer_identity`` only the peer with that certificate name may fill them. With
+        ``wait`` the answer comes when the transfer is final (see ``_verb``)."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                               lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
-        return info_from_proto(self._call(self._stub.Expect, req))
+                               lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                               wait=wait)
+        return self._verb(self._stub.Expect, req, timeout_s, wait)
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
              timeout_s: float = 0.0, verify: bool = False, *, lease_id: str = "",
-             release_lease: bool = False) -> TransferInfo:
-        """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side)."""
+             release_lease: bool = False, wait: bool = False) -> TransferInfo:
+        """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side); with ``wait``,
+        answer when the transfer is final."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                              peer=peer, timeout_s=timeout_s, verify=verify,
-                             lease=_lease(lease_id, release_lease))
-        return info_from_proto(self._call(self._stub.Push, req))
+                             lease=_lease(lease_id, release_lease), wait=wait)
+        return self._verb(self._stub.Push, req, timeout_s, wait)
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
               verify: bool = False, *, lease_id: str = "",
-              release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
+              release_lease: bool = False, peer_identity: str = "",
+              wait: bool = False) -> TransferInfo:
         """Make ``src_runs`` available for a peer's pull (prefill side); with
-        ``peer_identity``, for that peer's only."""
+        ``peer_identity``, for that peer's only; with ``wait``, answer when it is final."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify,
-                              lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
-        return info_from_proto(self._call(self._stub.Offer, req))
+                              lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                              wait=wait)
+        return self._verb(self._stub.Offer, req, timeout_s, wait)
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float = 0.0, *, lease_id: str = "",
-             release_lease: bool = False, peer_identity: str = "") -> TransferInfo:
+             release_lease: bool = False, peer_identity: str = "",
+             wait: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side); with
-        ``peer_identity`` (that daemon's certificate name) no other peer may fill it."""
+        ``peer_identity`` (that daemon's certificate name) no other peer may fill it; with
+        ``wait``, answer when it is final."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                             lease=_lease(lease_id, release_lease), peer_identity=peer_identity)
-        return info_from_proto(self._call(self._stub.Pull, req))
+                             lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                             wait=wait)
+        return self._verb(self._stub.Pull, req, timeout_s, wait)
 
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:
         """Block until ``transfer_id`` is final; its state says how it ended."""

@@ -107,6 +107,51 @@ def test_pull_in_either_order(pair, offer_first: bool) -> None:
     assert_moved(src, dst, src_runs, dst_runs, before)
 
 
+def test_verbs_sent_with_wait_answer_with_the_final_status(pair) -> None:
+    """Both sides' verbs sent at once with wait: each answer is that side's end, no Wait."""
+    pre, dec, p, d, src, dst = pair
+    cases = [("fold-push", PageRuns.of([(20, 3)]), PageRuns.of([(250, 3)])),
+             ("fold-pull", PageRuns.of([(60, 2)]), PageRuns.of([(260, 2)]))]
+    with ThreadPoolExecutor(1) as other_side:
+        for tid, src_runs, dst_runs in cases:
+            before = dst.raw.clone()
+            if tid == "fold-push":
+                receiving = other_side.submit(d.expect, tid, "kv", dst_runs, 30, wait=True)
+                sent = p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30,
+                              verify=True, wait=True)
+                got = receiving.result(35)
+            else:
+                sending = other_side.submit(p.offer, tid, "kv", src_runs, 30, True, wait=True)
+                got = d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30, wait=True)
+                sent = sending.result(35)
+            assert sent.state == got.state == TransferState.DONE, (sent.error, got.error)
+            assert got.verified
+            assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+@pytest.mark.parametrize("refused", ["expect", "push"])
+def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused: str) -> None:
+    """hand_off sends both verbs at once; when one is refused (here a page out of range),
+    the other side is aborted, not left to its deadline, and the refusal is raised."""
+    from kvxfer.client.handoff import hand_off
+    from kvxfer.errors import InvalidRangeError
+
+    pre, dec, p, d, src, dst = pair
+    tid = f"refused-{refused}"
+    bad = PageRuns.of([(10_000, 1)])
+    good = PageRuns.of([(0, 1)])
+    before = dst.raw.clone()
+    start = time.monotonic()
+    with pytest.raises(InvalidRangeError, match="10000"):
+        hand_off(p, d, tid, pool="kv", src=bad if refused == "push" else good,
+                 dst=bad if refused == "expect" else good, decode_peer=dec.peer_address,
+                 timeout_s=30)
+    assert time.monotonic() - start < 5
+    other = d if refused == "push" else p
+    assert other.wait(tid, timeout_s=1).state == TransferState.ABORTED
+    assert torch.equal(dst.raw, before)
+
+
 def test_sixteen_concurrent_transfers_in_both_directions(pair) -> None:
     pre, dec, p, d, src, dst = pair
     fill_random(dst, 2)

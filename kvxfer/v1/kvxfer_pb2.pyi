@@ -718,12 +718,15 @@ class ExpectRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     PEER_IDENTITY_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     """the whole transfer's deadline, from now"""
     peer_identity: _builtins.str
     """only this peer (certificate name) may fill it; empty: any admitted"""
+    wait: _builtins.bool
+    """answer once the transfer is final, with its final status"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -737,10 +740,11 @@ class ExpectRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         lease: Global___LeaseUse | None = ...,
         peer_identity: _builtins.str = ...,
+        wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -757,6 +761,7 @@ class PushRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     peer: _builtins.str
@@ -764,6 +769,8 @@ class PushRequest(_message.Message):
     timeout_s: _builtins.float
     verify: _builtins.bool
     """per-extent checksums, checked by the receiver"""
+    wait: _builtins.bool
+    """answer once the transfer is final, with its final status"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -778,10 +785,11 @@ class PushRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         verify: _builtins.bool = ...,
         lease: Global___LeaseUse | None = ...,
+        wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -798,12 +806,15 @@ class OfferRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     PEER_IDENTITY_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
     verify: _builtins.bool
     peer_identity: _builtins.str
     """only this peer (certificate name) may pull it; empty: any admitted"""
+    wait: _builtins.bool
+    """answer once the transfer is final, with its final status"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -818,10 +829,11 @@ class OfferRequest(_message.Message):
         verify: _builtins.bool = ...,
         lease: Global___LeaseUse | None = ...,
         peer_identity: _builtins.str = ...,
+        wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -838,6 +850,7 @@ class PullRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     PEER_IDENTITY_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
@@ -845,6 +858,8 @@ class PullRequest(_message.Message):
     timeout_s: _builtins.float
     peer_identity: _builtins.str
     """the prefill daemon's certificate name: only it may fill it"""
+    wait: _builtins.bool
+    """answer once the transfer is final, with its final status"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -859,10 +874,11 @@ class PullRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         lease: Global___LeaseUse | None = ...,
         peer_identity: _builtins.str = ...,
+        wait: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -11,6 +11,7 @@ import kvxfer
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.server.transfers.coordinator import LeaseUse, TransferCoordinator
+from kvxfer.server.transfers.record import Transfer
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
@@ -46,6 +47,12 @@ class WorkerService(pb_grpc.KvxferServicer):
                            memory=memory_to_proto(pool.arena.handle),
                            leased_pages=self._leases.leased_pages(pool.name))
 
+    async def _answer(self, t: Transfer, wait: bool) -> pb.TransferStatus:
+        """A verb's answer: the status now, or with ``wait`` the final one (no Wait round trip)."""
+        if wait:
+            await self._transfers.until_final(t)
+        return info_to_proto(t.info())
+
     async def Info(self, request: pb.DaemonInfoRequest, context: Context) -> pb.DaemonInfo:
         return pb.DaemonInfo(version=kvxfer.__version__, peer_address=self._transfers.peer_address)
 
@@ -66,25 +73,25 @@ class WorkerService(pb_grpc.KvxferServicer):
         t = self._transfers.expect(request.transfer_id, request.pool,
                                    runs_from_proto(request.dst_runs), request.timeout_s,
                                    _lease(request.lease), request.peer_identity)
-        return info_to_proto(t.info())
+        return await self._answer(t, request.wait)
 
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.push(request.transfer_id, request.pool,
                                  runs_from_proto(request.src_runs), request.peer,
                                  request.timeout_s, request.verify, _lease(request.lease))
-        return info_to_proto(t.info())
+        return await self._answer(t, request.wait)
 
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.offer(request.transfer_id, request.pool,
                                   runs_from_proto(request.src_runs), request.timeout_s,
                                   request.verify, _lease(request.lease), request.peer_identity)
-        return info_to_proto(t.info())
+        return await self._answer(t, request.wait)
 
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
                                  runs_from_proto(request.dst_runs), request.timeout_s,
                                  _lease(request.lease), request.peer_identity)
-        return info_to_proto(t.info())
+        return await self._answer(t, request.wait)
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:
         t = await self._transfers.wait(request.transfer_id, request.timeout_s)

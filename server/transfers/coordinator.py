@@ -136,12 +136,16 @@ class TransferCoordinator:
         """``transfer_id`` once final; TransferDeadlineError if ``timeout_s`` passes first
         (0: until its own deadline)."""
         check_seconds("timeout_s", timeout_s)
-        t = self.registry.get(transfer_id)
+        return await self.until_final(self.registry.get(transfer_id), timeout_s)
+
+    async def until_final(self, t: Transfer, timeout_s: float = 0.0) -> Transfer:
+        """``t`` once final; TransferDeadlineError if ``timeout_s`` passes first (0: until its
+        own deadline, which its timer enforces)."""
         try:
             await asyncio.wait_for(t.done.wait(), timeout_s or t.remaining() + 1)
         except TimeoutError:
             raise TransferDeadlineError(
-                f"transfer {transfer_id!r} is still {t.state.name} after waiting {timeout_s:g}s"
+                f"transfer {t.id!r} is still {t.state.name} after waiting {timeout_s:g}s"
             ) from None
         return t
 
