@@ -216,11 +216,13 @@ class Pair:
 @contextlib.contextmanager
 def daemon_pair(preset: str, pages_per_transfer: int, env: dict[str, str],
                 chunk_bytes: int, error_handling: bool, shm_dir: str,
-                lanes: int = 1) -> Iterator[Pair]:
-    """Two daemons with pool ``kv`` of ``preset``; the source pages hold random bytes."""
+                lanes: int = 1, local_copy: bool = False) -> Iterator[Pair]:
+    """Two daemons with pool ``kv`` of ``preset`` (``local_copy``: with ``--local-copy``);
+    the source pages hold random bytes."""
     pool = f"name=kv,preset={preset}"
     args = ["--chunk-bytes", str(chunk_bytes), "--ucx-lanes", str(lanes),
-            "--ucx-error-handling" if error_handling else "--no-ucx-error-handling"]
+            "--ucx-error-handling" if error_handling else "--no-ucx-error-handling",
+            "--local-copy" if local_copy else "--no-local-copy"]
     env = {**env, "UCX_PROTO_INFO": "y"}
     with LocalDaemon("prefill", [pool], env=env, extra_args=args, shm_dir=shm_dir) as pre, \
             LocalDaemon("decode", [pool], env=env, extra_args=args, shm_dir=shm_dir) as dec, \

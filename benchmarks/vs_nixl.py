@@ -21,7 +21,12 @@ page_size 16 (target >= 0.9), kvxfer with 4 transfers in flight / back to back (
 gRPC round trips: (its median time - the time of its bytes at the standard workload's data
 rate) / the median round trip of a trivial call, measured in the same run (target <= 3).
 
-usage: python benchmarks/vs_nixl.py [--rounds 5] [--per-round 3] [--eh on|off|both] [--json]
+With ``--local-copy`` kvxfer's daemons copy same-host transfers themselves (the receiver
+maps the sender's pool read-only: no UCX, safe against a dying peer); NIXL has no such
+mode, so compare against its best configuration, error handling off (cma).
+
+usage: python benchmarks/vs_nixl.py [--rounds 5] [--per-round 3] [--eh on|off|both]
+                                    [--local-copy] [--json]
 """
 
 from __future__ import annotations
@@ -228,7 +233,8 @@ def round_trip_s(client: Any, count: int = 50) -> float:
     return statistics.median(samples)
 
 
-def run_mode(eh: str, rounds: int, per_round: int, shm_dir: str) -> dict[str, object]:
+def run_mode(eh: str, rounds: int, per_round: int, shm_dir: str,
+             local_copy: bool) -> dict[str, object]:
     env = ucx_env()
     # NIXL with its own UCX settings: kvxfer's (rendezvous put_zcopy from 32 KiB) made its
     # bundled UCX 4-5x slower here (0.8 instead of 3-4 GB/s).
@@ -242,9 +248,10 @@ def run_mode(eh: str, rounds: int, per_round: int, shm_dir: str) -> dict[str, ob
     round_trips: list[float] = []
     spreads: list[float] = []
     data_rate: list[float] = []
-    with daemon_pair("llama8b", PAGES["llama8b"], env, CHUNK_BYTES, eh == "on", shm_dir) as k16, \
+    with daemon_pair("llama8b", PAGES["llama8b"], env, CHUNK_BYTES, eh == "on", shm_dir,
+                     local_copy=local_copy) as k16, \
             daemon_pair("llama8b-ps1", PAGES["llama8b-ps1"], env, CHUNK_BYTES, eh == "on",
-                        shm_dir) as k1, \
+                        shm_dir, local_copy=local_copy) as k1, \
             nixl_pair("llama8b", "shm", eh, nixl_env) as n16s, \
             nixl_pair("llama8b", "anon", eh, nixl_env) as n16a, \
             nixl_pair("llama8b-ps1", "shm", eh, nixl_env) as n1s, \
@@ -303,12 +310,16 @@ def main() -> int:
     parser = rounds_parser(__doc__, per_round=3, eh_default="both")
     parser.add_argument("--shm-dir", default="/dev/shm")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--local-copy", action="store_true",
+                        help="run kvxfer's daemons with --local-copy (same host: the receiver "
+                             "copies from the sender's mapped pool, no UCX)")
     args = parser.parse_args()
     if not NIXL_PYTHON.exists():
         print("no .venv-nixl: run scripts/setup-nixl.sh", file=sys.stderr)
         return 2
     modes = ("on", "off") if args.eh == "both" else (args.eh,)
-    result = {f"eh_{eh}": run_mode(eh, args.rounds, args.per_round, args.shm_dir) for eh in modes}
+    result = {f"eh_{eh}": run_mode(eh, args.rounds, args.per_round, args.shm_dir, args.local_copy)
+              for eh in modes}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -198,6 +198,13 @@ class DaemonConfig(BaseSettings):
               "memory (cma) between daemons on one node, 1.2-1.7x faster in our loopback runs, "
               "but a peer that dies mid-transfer over cma can abort this daemon: only turn it "
               "off where no peer can die uncleanly")
+    local_copy: bool = _setting(
+        False, "same-host transfers without the network: a receiving daemon that can open a "
+               "sending daemon's pool files (same host, same shm directory, same user or "
+               "worker group) maps them read-only and copies the pages itself, several times "
+               "faster than UCX over loopback and safe against a dying peer. Both daemons must "
+               "turn it on (the sender lets its pools be read, the receiver reads); peers it "
+               "cannot read still use UCX")
     chunk_bytes: int = _setting(4 << 20, "largest UCX message in bytes", "at least 4096",
                                 ge=MIN_CHUNK_BYTES)
     window_bytes: int = _setting(

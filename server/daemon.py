@@ -183,7 +183,8 @@ class Daemon:
         self.pools = PoolRegistry(config.arenas, config.shm_dir, self._group)
         self.transport = transport = self._make_transport(config)
         identity = DaemonIdentity(advertise, {d.name: d for d in self.pools.descriptors()},
-                                  config.ucx_error_handling)
+                                  config.ucx_error_handling, config.local_copy,
+                                  self.pools.arena_files() if config.local_copy else {})
         self.sessions = Sessions(transport, self._clients, identity, config.heartbeat_s,
                                  config.limits)
         leases = PageLeases(self.pools, config.lease_s)

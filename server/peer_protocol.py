@@ -11,10 +11,11 @@ decoding a request checks its ids, texts and deadlines (``kvxfer.server.limits``
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import InvalidRangeError
+from kvxfer.local_copy import ArenaFile
 from kvxfer.pages import PageRuns
 from kvxfer.server.limits import MIN_CHUNK_BYTES, check_id, check_seconds, check_text
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -25,8 +26,9 @@ from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_f
 class DaemonHello:
     """What a daemon tells a peer when a session opens: its data plane and its pools.
 
-    ``peer_address`` (where it serves the peer API, for aborts) is sent by the
-    side that opens the session only.
+    ``peer_address`` (where it serves the peer API, for aborts) and ``arena_files``
+    (by pool, with local copy on) are sent by the side that opens the session, the
+    sender; ``reads_locally`` by the receiver, when it mapped them all.
     """
 
     session_id: str
@@ -35,6 +37,8 @@ class DaemonHello:
     ucx_error_handling: bool
     pools: dict[str, PoolDescriptor]
     peer_address: str = ""
+    arena_files: dict[str, ArenaFile] = field(default_factory=dict)
+    reads_locally: bool = False
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,14 @@ class Claim:
 
 @dataclass(frozen=True)
 class ClaimGrant:
-    """The receiver's answer: tags start at ``tag_base``; chunk ``k`` on lane ``k % lanes``."""
+    """The receiver's answer: tags start at ``tag_base``; chunk ``k`` on lane ``k % lanes``;
+    or ``copied``: the receiver already copied every chunk from the sender's arena."""
 
     tag_base: int
     dst_pool: str
     dst_runs: PageRuns
     lanes: int
+    copied: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ def hello_to_request(hello: DaemonHello) -> pb.HandshakeRequest:
         ucx_ports=hello.ucx_ports, ucx_error_handling=hello.ucx_error_handling,
         pools=[descriptor_to_proto(d) for d in hello.pools.values()],
         peer_address=hello.peer_address,
+        arena_files=[pb.ArenaFile(pool=pool, path=f.path, size_bytes=f.size_bytes,
+                                  boot_id=f.boot_id, device=f.device, inode=f.inode)
+                     for pool, f in hello.arena_files.items()],
     )
 
 
@@ -105,6 +114,9 @@ def hello_from_request(msg: pb.HandshakeRequest) -> DaemonHello:
         check_id("session_id", msg.session_id), check_text("ucx_host", msg.ucx_host),
         tuple(msg.ucx_ports) or (msg.ucx_port,), msg.ucx_error_handling, _pools(msg.pools),
         check_text("peer_address", msg.peer_address),
+        {f.pool: ArenaFile(check_text("arena_files.path", f.path), f.size_bytes,
+                           check_text("arena_files.boot_id", f.boot_id), f.device, f.inode)
+         for f in msg.arena_files},
     )
 
 
@@ -114,13 +126,15 @@ def hello_to_response(hello: DaemonHello) -> pb.HandshakeResponse:
         session_id=hello.session_id, ucx_host=hello.ucx_host, ucx_port=hello.ucx_ports[0],
         ucx_ports=hello.ucx_ports, ucx_error_handling=hello.ucx_error_handling,
         pools=[descriptor_to_proto(d) for d in hello.pools.values()],
+        reads_locally=hello.reads_locally,
     )
 
 
 def hello_from_response(msg: pb.HandshakeResponse) -> DaemonHello:
     """Decode an accepting hello (descriptors are validated)."""
     return DaemonHello(msg.session_id, msg.ucx_host, tuple(msg.ucx_ports) or (msg.ucx_port,),
-                       msg.ucx_error_handling, _pools(msg.pools))
+                       msg.ucx_error_handling, _pools(msg.pools),
+                       reads_locally=msg.reads_locally)
 
 
 def _pools(msgs: Iterable[pb.PoolDescriptor]) -> dict[str, PoolDescriptor]:
@@ -150,12 +164,14 @@ def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
 def grant_to_proto(grant: ClaimGrant) -> pb.ClaimResponse:
     """A claim's answer as its response message."""
     return pb.ClaimResponse(tag_base=grant.tag_base, dst_pool=grant.dst_pool,
-                            dst_runs=runs_to_proto(grant.dst_runs), lanes=grant.lanes)
+                            dst_runs=runs_to_proto(grant.dst_runs), lanes=grant.lanes,
+                            copied=grant.copied)
 
 
 def grant_from_proto(msg: pb.ClaimResponse) -> ClaimGrant:
     """Decode a claim's answer (0 lanes means 1)."""
-    return ClaimGrant(msg.tag_base, msg.dst_pool, runs_from_proto(msg.dst_runs), msg.lanes or 1)
+    return ClaimGrant(msg.tag_base, msg.dst_pool, runs_from_proto(msg.dst_runs), msg.lanes or 1,
+                      msg.copied)
 
 
 def commit_to_proto(commit: Commit) -> pb.CommitRequest:

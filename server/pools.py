@@ -9,6 +9,7 @@ from pathlib import Path
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import PoolNotFoundError
 from kvxfer.layout import pack_arena
+from kvxfer.local_copy import ArenaFile, describe_arena
 from kvxfer.memory import Arena, create_arena, remove_stale_arenas
 from kvxfer.pages import Extent, PageRuns, map_extents
 from kvxfer.server.config import ArenaConfig
@@ -77,6 +78,11 @@ class PoolRegistry:
     def all(self) -> list[Pool]:
         """Every pool, in config order."""
         return list(self._pools.values())
+
+    def arena_files(self) -> dict[str, ArenaFile]:
+        """The file behind each CPU pool's arena, by pool name (for same-host peers)."""
+        files = {p.name: describe_arena(p.arena) for p in self._pools.values()}
+        return {name: f for name, f in files.items() if f is not None}
 
     def descriptors(self) -> list[PoolDescriptor]:
         """Every pool's descriptor, in config order."""

@@ -23,13 +23,14 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import IncompatibleLayoutError, InvalidRangeError, PeerUnavailableError
+from kvxfer.local_copy import ArenaFile, PeerArena, map_peer_arena
 from kvxfer.server.limits import Limits, check_below, check_id
 from kvxfer.server.peer_client import PeerClient, PeerClients, WatchStream, time_left
 from kvxfer.server.peer_protocol import DaemonHello
@@ -53,6 +54,8 @@ class DaemonIdentity:
     peer_address: str
     pools: dict[str, PoolDescriptor]
     error_handling: bool
+    local_copy: bool = False
+    arena_files: dict[str, ArenaFile] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -104,15 +107,24 @@ class OutboundSession(Session):
 @dataclass(eq=False)
 class InboundSession(Session):
     """A session ``caller`` opened to send to us; ``watched`` once its Watch stream began.
-    Only the same caller may use it."""
+    Only the same caller may use it. ``sources``: the caller's arenas, by pool, mapped
+    read-only when it is on this host and both sides allow local copy."""
 
     caller: Caller = Caller((), "")
     watched: bool = False
+    sources: dict[str, PeerArena] = field(default_factory=dict)
 
     @property
     def peer_address(self) -> str:
         """Where the peer serves its peer API."""
         return self.peer.peer_address
+
+
+def _map_all(files: dict[str, ArenaFile]) -> dict[str, PeerArena]:
+    """Every peer arena mapped read-only, by pool; empty unless all of them could be."""
+    mapped = {pool: map_peer_arena(f) for pool, f in files.items()}
+    return {pool: m for pool, m in mapped.items() if m is not None} \
+        if all(m is not None for m in mapped.values()) else {}
 
 
 class Sessions:
@@ -135,7 +147,7 @@ class Sessions:
         """What we tell a peer about ourselves."""
         return DaemonHello(session_id, self._transport.host, tuple(self._transport.ports),
                            self._identity.error_handling, self._identity.pools,
-                           self._identity.peer_address)
+                           self._identity.peer_address, self._identity.arena_files)
 
     @property
     def inbound_count(self) -> int:
@@ -225,9 +237,10 @@ class Sessions:
 
     # -- inbound ---------------------------------------------------------------------------
 
-    def accept(self, peer: DaemonHello, caller: Caller) -> DaemonHello:
+    async def accept(self, peer: DaemonHello, caller: Caller) -> DaemonHello:
         """``caller`` opens a session to send to us; our hello in reply. A session id must
-        be new, and a caller holds at most ``limits.sessions_per_peer`` sessions."""
+        be new, and a caller holds at most ``limits.sessions_per_peer`` sessions. With local
+        copy on here, the caller's arena files are mapped if they are on this host."""
         if self._closing.is_set():
             raise PeerUnavailableError("this daemon is shutting down; no new sessions")
         check_id("session_id", peer.session_id)
@@ -240,7 +253,9 @@ class Sessions:
         session = InboundSession(peer.session_id, peer, caller=caller)
         self._inbound[peer.session_id] = session
         asyncio.get_running_loop().call_later(self.silence_limit_s, self._drop_unwatched, session)
-        return self.hello(peer.session_id)
+        if self._identity.local_copy and peer.arena_files:
+            session.sources = await asyncio.to_thread(_map_all, peer.arena_files)
+        return replace(self.hello(peer.session_id), reads_locally=bool(session.sources))
 
     def inbound(self, session_id: str, caller: Caller) -> InboundSession:
         """The live inbound session ``session_id`` of ``caller``; PeerUnavailableError if

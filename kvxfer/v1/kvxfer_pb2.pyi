@@ -1232,6 +1232,7 @@ class HandshakeRequest(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     UCX_PORTS_FIELD_NUMBER: _builtins.int
+    ARENA_FILES_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ucx_host: _builtins.str
     ucx_port: _builtins.int
@@ -1246,6 +1247,12 @@ class HandshakeRequest(_message.Message):
     def ucx_ports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """every data lane's UCX listener, lane 0 (= ucx_port) first"""
 
+    @_builtins.property
+    def arena_files(self) -> _containers.RepeatedCompositeFieldContainer[Global___ArenaFile]:
+        """With local copy on: the file behind each CPU pool, so that a receiver on the same host
+        can map it read-only and copy the pages itself (see kvxfer/local_copy.py).
+        """
+
     def __init__(
         self,
         *,
@@ -1256,14 +1263,52 @@ class HandshakeRequest(_message.Message):
         pools: _abc.Iterable[Global___PoolDescriptor] | None = ...,
         peer_address: _builtins.str = ...,
         ucx_ports: _abc.Iterable[_builtins.int] | None = ...,
+        arena_files: _abc.Iterable[Global___ArenaFile] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_address", b"peer_address", "pools", b"pools", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_files", b"arena_files", "peer_address", b"peer_address", "pools", b"pools", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HandshakeRequest: _TypeAlias = HandshakeRequest  # noqa: Y015
+
+@_typing.final
+class ArenaFile(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    INODE_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """the pool whose arena this is"""
+    path: _builtins.str
+    size_bytes: _builtins.int
+    boot_id: _builtins.str
+    """the host's kernel boot id"""
+    device: _builtins.int
+    """the file's st_dev and st_ino, as the sender sees them"""
+    inode: _builtins.int
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        path: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
+        device: _builtins.int = ...,
+        inode: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "device", b"device", "inode", b"inode", "path", b"path", "pool", b"pool", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArenaFile: _TypeAlias = ArenaFile  # noqa: Y015
 
 @_typing.final
 class HandshakeResponse(_message.Message):
@@ -1275,10 +1320,13 @@ class HandshakeResponse(_message.Message):
     UCX_ERROR_HANDLING_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
     UCX_PORTS_FIELD_NUMBER: _builtins.int
+    READS_LOCALLY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ucx_host: _builtins.str
     ucx_port: _builtins.int
     ucx_error_handling: _builtins.bool
+    reads_locally: _builtins.bool
+    """the receiver mapped the caller's arena files: it copies itself"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolDescriptor]: ...
     @_builtins.property
@@ -1294,10 +1342,11 @@ class HandshakeResponse(_message.Message):
         ucx_error_handling: _builtins.bool = ...,
         pools: _abc.Iterable[Global___PoolDescriptor] | None = ...,
         ucx_ports: _abc.Iterable[_builtins.int] | None = ...,
+        reads_locally: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "reads_locally", b"reads_locally", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1356,7 +1405,8 @@ class ClaimRequest(_message.Message):
     """Push: the sender asks the receiver where transfer_id's pages go. The receiver
     waits (up to timeout_s) for the matching Expect, checks the layouts, posts
     its UCX receives, and answers with the tags to send to. Without verify, the
-    receiver is done when the last byte arrives and no Commit follows.
+    receiver is done when the last byte arrives and no Commit follows. In a session
+    whose receiver reads locally, it copies the pages before it answers (copied).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1408,10 +1458,15 @@ class ClaimResponse(_message.Message):
     DST_POOL_FIELD_NUMBER: _builtins.int
     DST_RUNS_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
+    COPIED_FIELD_NUMBER: _builtins.int
     tag_base: _builtins.int
     dst_pool: _builtins.str
     lanes: _builtins.int
     """send chunk k on lane k % lanes (at most the request's; 0: 1)"""
+    copied: _builtins.bool
+    """The receiver already copied every chunk from the sender's mapped arena (same host):
+    nothing to send; the sender must Commit (with or without checksums) for it to end.
+    """
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
@@ -1421,10 +1476,11 @@ class ClaimResponse(_message.Message):
         dst_pool: _builtins.str = ...,
         dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
         lanes: _builtins.int = ...,
+        copied: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_pool", b"dst_pool", "dst_runs", b"dst_runs", "lanes", b"lanes", "tag_base", b"tag_base"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copied", b"copied", "dst_pool", b"dst_pool", "dst_runs", b"dst_runs", "lanes", b"lanes", "tag_base", b"tag_base"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,7 +69,7 @@ class PeerService(pb_grpc.KvxferPeerServicer):
     async def Handshake(self, request: pb.HandshakeRequest, context: Context) -> pb.HandshakeResponse:
         caller = Caller.of(context)
         with _audited(caller, "handshake", "", request.session_id):
-            return hello_to_response(self._sessions.accept(hello_from_request(request), caller))
+            return hello_to_response(await self._sessions.accept(hello_from_request(request), caller))
 
     async def Watch(self, requests: AsyncIterator[pb.WatchRequest],
                     context: Context) -> AsyncIterator[pb.Heartbeat]:

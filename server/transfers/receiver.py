@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvxfer.descriptor import check_compatible
 from kvxfer.errors import (
@@ -34,6 +35,8 @@ from kvxfer.errors import (
     TransferNotFoundError,
 )
 from kvxfer.integrity import checksum
+from kvxfer.local_copy import PeerArena, copy_chunks
+from kvxfer.pages import Extent
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import InboundSession, Sessions
@@ -63,6 +66,8 @@ class Receiver:
         self._peer_address = peer_address
         self._chunk_bytes = chunk_bytes
         self._tags = TagAllocator()
+        self._copier = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+                                          thread_name_prefix="kvxfer-copy")
         self._corrupt = os.environ.get(FAULT_CORRUPT_ENV, "")
 
     async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
@@ -80,7 +85,10 @@ class Receiver:
         t.session_id = claim.session_id
         t.peer = t.peer or session.peer_address
         self._registry.tracing.join(t)
+        source = session.sources.get(claim.src_pool)
         try:
+            if source is not None:
+                return await self._copy(t, claim, session, source)
             grant = self._post(t, claim, session)
         except KvxferError as exc:
             self._registry.finish(t, exc)
@@ -89,15 +97,18 @@ class Receiver:
         t.task = asyncio.create_task(self._receive(t, t.batch, session), name=f"recv {t.id}")
         return grant
 
-    def _post(self, t: Transfer, claim: Claim, session: InboundSession) -> ClaimGrant:
+    def _plan(self, t: Transfer, claim: Claim, session: InboundSession) -> tuple[Extent, ...]:
         src = session.pools.get(claim.src_pool)
         if src is None:
             raise IncompatibleLayoutError(
                 f"sender {session.peer_address} claims from pool {claim.src_pool!r}, which "
                 f"its handshake did not describe (it described {sorted(session.pools)})")
         check_compatible(src, t.pool.descriptor)
-        chunks = plan_chunks(claim.src_runs, src.layout, t.runs, t.pool.descriptor.layout,
-                             claim.chunk_bytes or self._chunk_bytes)
+        return plan_chunks(claim.src_runs, src.layout, t.runs, t.pool.descriptor.layout,
+                           claim.chunk_bytes or self._chunk_bytes)
+
+    def _post(self, t: Transfer, claim: Claim, session: InboundSession) -> ClaimGrant:
+        chunks = self._plan(t, claim, session)
         if claim.lanes > self._transport.lanes:
             raise InvalidRangeError(
                 f"the sender offers {claim.lanes} UCX lanes; this daemon has "
@@ -113,13 +124,36 @@ class Receiver:
             lanes)
         return ClaimGrant(tag_base, t.pool.name, t.runs, lanes)
 
+    async def _copy(self, t: Transfer, claim: Claim, session: InboundSession,
+                    source: PeerArena) -> ClaimGrant:
+        """Same host: copy every chunk from the sender's mapped arena, then answer ``copied``.
+        The transfer ends only with the sender's Commit, which a sender sends only if its
+        transfer was still running when this answer came, so the source pages cannot have
+        been handed back to its engine while they were read."""
+        chunks = self._plan(t, claim, session)
+        t.verify = claim.verify
+        t.begin(chunks, 0)
+        with self._registry.tracing.phase(t, "data"):
+            t.copying = self._copier.submit(copy_chunks, source, t.pool.arena, chunks,
+                                            lambda: t.state.final)
+            await session.guard(asyncio.wrap_future(t.copying))
+        if t.state.final:
+            raise t.error or TransferAbortedError(f"transfer {t.id!r} ended during its copy")
+        t.data_finished = time.monotonic()
+        self._maybe_corrupt(t)
+        t.arrived.set()
+        return ClaimGrant(0, t.pool.name, t.runs, 0, copied=True)
+
+    def _maybe_corrupt(self, t: Transfer) -> None:
+        if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
+            t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
+
     async def _receive(self, t: Transfer, batch: Batch, session: InboundSession) -> None:
         try:
             with self._registry.tracing.phase(t, "data"):
                 await session.guard(asyncio.wrap_future(batch.future))
             t.data_finished = time.monotonic()
-            if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
-                t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
+            self._maybe_corrupt(t)
             if not t.verify:
                 self._registry.finish(t)  # every byte is in place; no Commit will come
             t.arrived.set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -53,9 +54,9 @@ def final_state(error: KvxferError | None) -> TransferState:
 class Transfer:
     """One side of one transfer: what it moves, where it is, and what it holds.
 
-    ``done`` is set once its final state is told (after its in-flight UCX requests, if
-    it failed with some); ``arrived`` also when its bytes have all landed (a receiver
-    that still has to verify them).
+    ``done`` is set once its final state is told (after its in-flight UCX requests, or
+    its same-host copy (``copying``), if it failed with some); ``arrived`` also when its
+    bytes have all landed (a receiver that still has to verify them).
     ``peer_identity``, when set, is the only peer (by certificate name) that may
     claim, pull, or abort it before a session has claimed it. ``spans`` end with it;
     ``trace`` is the context its phases' spans belong to (``kvxfer.server.tracing``).
@@ -88,6 +89,7 @@ class Transfer:
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[Any] | None = None
     batch: Batch | None = None
+    copying: Future[int] | None = None
     timer: asyncio.TimerHandle | None = None
     spans: list[Span] = field(default_factory=list)
     trace: Context | None = None

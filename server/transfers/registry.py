@@ -19,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict, defaultdict
 from concurrent.futures import Future
+from typing import Any
 
 from kvxfer.errors import (
     InternalError,
@@ -177,11 +178,11 @@ class TransferRegistry:
     def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
         """End ``t`` (once) and release what it holds; the final state follows ``error``.
 
-        A receiving transfer that fails with UCX requests in flight is final at once, but
-        told (``wait``, ``completions``, its lease released) only once none of them can
-        still write its pages (at most ``QUIESCE_S`` later): a receive UCX matched before
-        the failure keeps writing until it completes, and the engine may reuse the pages
-        as soon as it is told.
+        A receiving transfer that fails with UCX requests in flight (or its same-host copy
+        running) is final at once, but told (``wait``, ``completions``, its lease released)
+        only once none of them can still write its pages (at most ``QUIESCE_S`` later): a
+        receive UCX matched before the failure keeps writing until it completes, and the
+        engine may reuse the pages as soon as it is told.
         """
         if not t.end(error):
             return
@@ -189,11 +190,13 @@ class TransferRegistry:
             t.timer.cancel()
         if t.task is not None and t.task is not asyncio.current_task():
             t.task.cancel()
-        quiet = None
+        quiet: Future[Any] | None = None
         if t.batch is not None and error is not None:
             quiet = self._transport.abandon(t.batch, f"transfer {t.id!r} ended: {t.state.name}")
             if t.role != TransferRole.RECEIVER:
                 quiet = None  # sends only read their pages; a frozen peer would hold them
+        elif t.copying is not None and error is not None:
+            quiet = t.copying  # a same-host copy writes until it sees the end (one chunk)
         if quiet is None or quiet.done():
             self._publish(t)
         else:
@@ -211,7 +214,7 @@ class TransferRegistry:
             log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error,
                         extra=t.log_fields)
 
-    def _publish(self, t: Transfer, quiet: Future[None] | None = None) -> None:
+    def _publish(self, t: Transfer, quiet: Future[Any] | None = None) -> None:
         """Tell that ``t`` ended (once): its waiters, the completion log, its lease."""
         if t.done.is_set():
             return

@@ -97,9 +97,19 @@ class Sender:
         if grant.lanes > connection.lanes:
             raise InvalidRangeError(f"peer {t.peer} posted on {grant.lanes} lanes; we offered "
                                     f"{connection.lanes}")
-        t.begin(chunks, grant.lanes)
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
+        if grant.copied:
+            if not session.peer.reads_locally:
+                raise InvalidRangeError(f"peer {t.peer} says it copied {t.id!r} from our memory, "
+                                        "but it did not map our arenas")
+            t.begin(chunks, 0)
+            t.data_finished = time.monotonic()
+            checksums = (await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
+                         if t.verify else [])
+            await self._commit(t, session, checksums)  # the receiver ends only with it
+            return
+        t.begin(chunks, grant.lanes)
         with tracing.phase(t, "data"):
             t.batch = self._transport.send(
                 connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
@@ -112,7 +122,12 @@ class Sender:
         if not t.verify:
             self._registry.finish(t)
             return
-        with tracing.phase(t, "commit"):
+        await self._commit(t, session, checksums)
+
+    async def _commit(self, t: Transfer, session: OutboundSession, checksums: list[int]) -> None:
+        """Hand the receiver the checksums (none: just the end) and adopt its final status."""
+        assert session.client is not None
+        with self._registry.tracing.phase(t, "commit"):
             outcome = await session.client.commit(
                 Commit(t.id, session.session_id, tuple(checksums)), t.deadline)
         t.verified = outcome.verified

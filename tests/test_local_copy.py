@@ -1,0 +1,163 @@
+"""Same-host transfers (``--local-copy``): the receiving daemon maps the sending daemon's
+arena read-only and copies the pages itself; the transfer still ends only with the
+sender's Commit."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from peer_calls import beats
+from pool_checks import assert_moved, fill_random
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.handoff import hand_off
+from kvxfer.local_copy import ArenaFile, boot_id, map_peer_arena
+from kvxfer.pages import PageRuns
+from kvxfer.status import TransferState
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.wire.codec import descriptor_to_proto, info_from_proto
+
+SMALL = "name=kv,preset=llama8b,num_pages=64"  # 2 MiB pages
+LOCAL = ["--local-copy"]
+
+
+@pytest.fixture(scope="module")
+def local_pair(tmp_path_factory, dev_ca):
+    """A prefill and a decode daemon on this host, both with local copy on, over mutual TLS."""
+    from kvxfer.client.spawn import LocalDaemon
+
+    root = tmp_path_factory.mktemp("local")
+    dev_ca.issue("prefill"), dev_ca.issue("decode")
+    with LocalDaemon("prefill", [SMALL], workdir=str(root / "p"), extra_args=LOCAL,
+                     tls=dev_ca.out) as pre, \
+            LocalDaemon("decode", [SMALL], workdir=str(root / "d"), extra_args=LOCAL,
+                        tls=dev_ca.out) as dec:
+        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+                p.attach("kv") as src, d.attach("kv") as dst:
+            fill_random(src, 3)
+            yield pre, dec, p, d, src, dst
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_same_host_daemons_copy_without_ucx_byte_exact(local_pair, mode: str, verify: bool) -> None:
+    pre, dec, p, d, src, dst = local_pair
+    src_runs, dst_runs = PageRuns.of([(0, 5), (9, 11)]), PageRuns.of([(40, 3), (20, 13)])
+    before = dst.raw.clone()
+    done = hand_off(p, d, f"local-{mode}-{verify}", pool="kv", src=src_runs, dst=dst_runs,
+                    decode_peer=dec.peer_address, prefill_peer=pre.peer_address, mode=mode,  # type: ignore[arg-type]
+                    verify=verify, timeout_s=30)
+    assert done.ok, (done.sent.error, done.received.error)
+    assert done.sent.lanes == done.received.lanes == 0  # no UCX lane carried it: it was copied
+    assert done.received.verified is verify and done.received.bytes == 16 * 2**21
+    assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_a_peer_without_local_copy_is_sent_to_over_ucx(local_pair, spawn) -> None:
+    pre, dec, p, d, src, dst = local_pair
+    plain = spawn("plain", [SMALL])
+    with KvxferClient(plain.worker_address) as o, o.attach("kv") as odst:
+        before = odst.raw.clone()
+        done = hand_off(p, o, "to-plain", pool="kv", src=PageRuns.of([(1, 4)]),
+                        dst=PageRuns.of([(10, 4)]), decode_peer=plain.peer_address, timeout_s=30)
+        assert done.ok, (done.sent.error, done.received.error)
+        assert done.sent.lanes == done.received.lanes == 1
+        assert_moved(src, odst, PageRuns.of([(1, 4)]), PageRuns.of([(10, 4)]), before)
+
+
+class _FileSender:
+    """A hand-driven sender whose "arena" is a file this test wrote: it describes the file
+    in its handshake, claims, and commits only when told to."""
+
+    def __init__(self, dec, channel, descriptor: pb.PoolDescriptor, path: Path) -> None:
+        self.stub = pb_grpc.KvxferPeerStub(channel)
+        self.descriptor = descriptor
+        self.session = "local-file-sender"
+        info = path.stat()
+        self._stop = threading.Event()
+        hello = self.stub.Handshake(pb.HandshakeRequest(
+            session_id=self.session, ucx_host="127.0.0.1", ucx_ports=[1], ucx_error_handling=True,
+            pools=[descriptor], peer_address="127.0.0.1:1",
+            arena_files=[pb.ArenaFile(pool="kv", path=str(path), size_bytes=info.st_size,
+                                      boot_id=boot_id(), device=info.st_dev,
+                                      inode=info.st_ino)]), timeout=10)
+        assert hello.reads_locally
+        self._watch = self.stub.Watch(beats(self.session, self._stop))
+
+    def claim(self, tid: str, runs: PageRuns) -> pb.ClaimResponse:
+        return self.stub.Claim(pb.ClaimRequest(
+            transfer_id=tid, session_id=self.session, src_pool="kv",
+            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()], timeout_s=10),
+            timeout=10)
+
+    def commit(self, tid: str) -> pb.TransferStatus:
+        return self.stub.Commit(pb.CommitRequest(transfer_id=tid, session_id=self.session),
+                                timeout=10)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watch.cancel()
+
+
+def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp_path) -> None:
+    """The copy is done when the claim is answered, but the transfer is not: only the
+    sender knows its pages were still its transfer's all along, and says so by committing.
+    Without the commit the transfer runs into its deadline, never DONE."""
+    dec = spawn("decode-local", [SMALL], extra_args=LOCAL)
+    with KvxferClient(dec.worker_address) as d, d.attach("kv") as dst:
+        descriptor, memory = d.describe("kv")
+        path = Path("/dev/shm") / f"kvxfer-test-file-sender-{os.getpid()}"
+        noise = np.random.default_rng(7).integers(0, 256, memory.size_bytes, dtype=np.uint8)
+        path.write_bytes(noise.tobytes())
+        sender = _FileSender(dec, peer_channel(dec.peer_address), descriptor_to_proto(descriptor),
+                             path)
+        try:
+            page = descriptor.page_bytes
+            anchor = descriptor.layout.anchor_bytes
+            d.expect("committed", "kv", PageRuns.of([(30, 2)]), timeout_s=20)
+            assert sender.claim("committed", PageRuns.of([(5, 2)])).copied
+            time.sleep(0.3)
+            assert d.transfers()[-1].state == TransferState.TRANSFERRING
+            got = dst.raw[anchor + 30 * page: anchor + 32 * page]
+            assert torch.equal(got, torch.from_numpy(noise[anchor + 5 * page: anchor + 7 * page]))
+            assert info_from_proto(sender.commit("committed")).state == TransferState.DONE
+            assert d.wait("committed", timeout_s=5).ok
+
+            d.expect("uncommitted", "kv", PageRuns.of([(40, 1)]), timeout_s=1.5)
+            assert sender.claim("uncommitted", PageRuns.of([(1, 1)])).copied
+            assert d.wait("uncommitted", timeout_s=10).state == TransferState.DEADLINE_EXCEEDED
+        finally:
+            sender.close()
+            path.unlink()
+
+
+def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_path) -> None:
+    path = tmp_path / "arena"
+    path.write_bytes(bytes(range(256)) * 64)
+    info = path.stat()
+    real = ArenaFile(str(path), info.st_size, boot_id(), info.st_dev, info.st_ino)
+    view = map_peer_arena(real)
+    assert view is not None and bytes(view[:4]) == b"\x00\x01\x02\x03"
+    with pytest.raises(ValueError, match="read-only"):
+        view[0] = 1
+    other = tmp_path / "other"
+    other.write_bytes(path.read_bytes())
+    link = tmp_path / "link"
+    link.symlink_to(path)
+    for wrong in (ArenaFile(str(other), info.st_size, boot_id(), info.st_dev, info.st_ino),
+                  ArenaFile(str(path), info.st_size, "another-host", info.st_dev, info.st_ino),
+                  ArenaFile(str(path), info.st_size, "", info.st_dev, info.st_ino),
+                  ArenaFile(str(path), info.st_size + mmap.PAGESIZE, boot_id(), info.st_dev,
+                            info.st_ino),
+                  ArenaFile(str(link), info.st_size, boot_id(), info.st_dev, info.st_ino),
+                  ArenaFile(str(tmp_path / "missing"), info.st_size, boot_id(), info.st_dev,
+                            info.st_ino)):
+        assert map_peer_arena(wrong) is None, wrong
