@@ -123,8 +123,9 @@ class InboundSession(Session):
 def _map_all(files: dict[str, ArenaFile]) -> dict[str, PeerArena]:
     """Every peer arena mapped read-only, by pool; empty unless all of them could be."""
     mapped = {pool: map_peer_arena(f) for pool, f in files.items()}
-    return {pool: m for pool, m in mapped.items() if m is not None} \
-        if all(m is not None for m in mapped.values()) else {}
+    if any(m is None for m in mapped.values()):
+        return {}
+    return {pool: m for pool, m in mapped.items() if m is not None}
 
 
 class Sessions:
