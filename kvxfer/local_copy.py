@@ -21,7 +21,9 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,3 +102,30 @@ def copy_chunks(src: PeerArena, dst: Arena, chunks: Sequence[Extent],
         np.copyto(dst.buffer(c.dst_offset, c.nbytes), src[c.src_offset : c.src_offset + c.nbytes])
         done += c.nbytes
     return done
+
+
+def copy_in_threads(copier: Executor, threads: int, src: PeerArena, dst: Arena,
+                    chunks: Sequence[Extent], stop: Callable[[], bool]) -> Future[int]:
+    """``copy_chunks`` with the chunks dealt out to up to ``threads`` of ``copier``'s threads
+    (one core copies ~9.5 GB/s here, two ~15); resolves with the bytes copied once every
+    part has stopped, or with the first part's error."""
+    parts = [copier.submit(copy_chunks, src, dst, chunks[i::threads], stop)
+             for i in range(max(1, min(threads, len(chunks))))]
+    whole: Future[int] = Future()
+    left = [len(parts)]
+    lock = threading.Lock()
+
+    def part_done(_: Future[int]) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for e in (p.exception() for p in parts) if e is not None]
+        if errors:
+            whole.set_exception(errors[0])
+        else:
+            whole.set_result(sum(p.result() for p in parts))
+
+    for part in parts:
+        part.add_done_callback(part_done)
+    return whole

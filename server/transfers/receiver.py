@@ -35,7 +35,7 @@ from kvxfer.errors import (
     TransferNotFoundError,
 )
 from kvxfer.integrity import checksum
-from kvxfer.local_copy import PeerArena, copy_chunks
+from kvxfer.local_copy import PeerArena, copy_in_threads
 from kvxfer.pages import Extent
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
@@ -66,7 +66,8 @@ class Receiver:
         self._peer_address = peer_address
         self._chunk_bytes = chunk_bytes
         self._tags = TagAllocator()
-        self._copier = ThreadPoolExecutor(max_workers=os.cpu_count() or 1,
+        self._copy_threads = os.cpu_count() or 1
+        self._copier = ThreadPoolExecutor(max_workers=self._copy_threads,
                                           thread_name_prefix="kvxfer-copy")
         self._corrupt = os.environ.get(FAULT_CORRUPT_ENV, "")
 
@@ -134,8 +135,8 @@ class Receiver:
         t.verify = claim.verify
         t.begin(chunks, 0)
         with self._registry.tracing.phase(t, "data"):
-            t.copying = self._copier.submit(copy_chunks, source, t.pool.arena, chunks,
-                                            lambda: t.state.final)
+            t.copying = copy_in_threads(self._copier, self._copy_threads, source, t.pool.arena,
+                                        chunks, lambda: t.state.final)
             await session.guard(asyncio.wrap_future(t.copying))
         if t.state.final:
             raise t.error or TransferAbortedError(f"transfer {t.id!r} ended during its copy")
