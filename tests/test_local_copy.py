@@ -161,3 +161,54 @@ def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_pat
                   ArenaFile(str(tmp_path / "missing"), info.st_size, boot_id(), info.st_dev,
                             info.st_ino)):
         assert map_peer_arena(wrong) is None, wrong
+
+
+BIG = "name=kv,preset=llama8b,num_pages=600"  # 1.2 GiB: a 1 GiB copy takes ~70 ms here
+BIG_RUNS = PageRuns.of([(0, 512)])
+
+
+def _when_copying(d: KvxferClient, tid: str) -> None:
+    """Return once the receiver of ``tid`` is copying (TRANSFERRING), within 10 s."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(t.transfer_id == tid and t.state == TransferState.TRANSFERRING
+               for t in d.transfers()):
+            return
+    raise AssertionError(f"{tid} never started copying")
+
+
+@pytest.mark.slow  # three daemons with 1.2 GiB pools: ~10 s each
+@pytest.mark.parametrize("fault", ["sender killed", "sender aborted", "receiver aborted"])
+def test_a_copy_cut_short_never_ends_done_and_the_receiver_keeps_serving(spawn, fault: str) -> None:
+    pre = spawn("bp", [BIG], extra_args=LOCAL)
+    dec = spawn("bd", [BIG], extra_args=LOCAL)
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        assert hand_off(p, d, "warm-up", pool="kv", src=PageRuns.of([(0, 1)]),
+                        dst=PageRuns.of([(0, 1)]), decode_peer=dec.peer_address).ok
+        d.expect("cut", "kv", BIG_RUNS, timeout_s=20)
+        p.push("cut", "kv", BIG_RUNS, peer=dec.peer_address, timeout_s=20)
+        _when_copying(d, "cut")
+        start = time.monotonic()
+        if fault == "sender killed":
+            pre.kill()
+        elif fault == "sender aborted":
+            p.abort("cut", "prefill gave up")
+        else:
+            d.abort("cut", "decode gave up")
+        got = d.wait("cut", timeout_s=10)
+        assert got.state != TransferState.DONE, got
+        assert time.monotonic() - start < 5
+        if fault != "sender killed":
+            assert got.state == TransferState.ABORTED and "gave up" in got.error
+            assert p.wait("cut", timeout_s=5).state in (TransferState.ABORTED,
+                                                        TransferState.FAILED)
+        assert d.health() == "SERVING"
+        other = spawn("bo", [SMALL], extra_args=LOCAL)  # same layout, fewer pages
+        with KvxferClient(other.worker_address) as o, o.attach("kv") as osrc, \
+                d.attach("kv") as dst:
+            fill_random(osrc, 9)
+            before = dst.raw.clone()
+            done = hand_off(o, d, "after", pool="kv", src=PageRuns.of([(3, 4)]),
+                            dst=PageRuns.of([(100, 4)]), decode_peer=dec.peer_address)
+            assert done.ok and done.received.lanes == 0, (done.sent.error, done.received.error)
+            assert_moved(osrc, dst, PageRuns.of([(3, 4)]), PageRuns.of([(100, 4)]), before)

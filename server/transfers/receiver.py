@@ -143,6 +143,7 @@ class Receiver:
         t.data_finished = time.monotonic()
         self._maybe_corrupt(t)
         t.arrived.set()
+        t.task = asyncio.create_task(self._until_end(t, session), name=f"commit of {t.id}")
         return ClaimGrant(0, t.pool.name, t.runs, 0, copied=True)
 
     def _maybe_corrupt(self, t: Transfer) -> None:
@@ -158,6 +159,18 @@ class Receiver:
             if not t.verify:
                 self._registry.finish(t)  # every byte is in place; no Commit will come
             t.arrived.set()
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)
+            return
+        await self._until_end(t, session)
+
+    async def _until_end(self, t: Transfer, session: InboundSession) -> None:
+        """Keep a transfer whose bytes are in place but which waits for its sender's Commit
+        under the session: a sender lost before it commits fails it now, not at its deadline."""
+        if t.state.final:
+            return
+        try:
+            await session.guard(t.done.wait())
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._registry.fail(t, exc)
 
