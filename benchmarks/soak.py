@@ -16,7 +16,7 @@ It reports transfers and verified bytes, and each daemon's RSS and open file
 descriptors over time (their drift).
 
 usage: python benchmarks/soak.py [--seconds 600] [--concurrency 4] [--fault-every 20]
-       [--seed 1] [--json]
+       [--seed 1] [--local-copy] [--json]
 """
 
 from __future__ import annotations
@@ -231,8 +231,10 @@ class Faults(threading.Thread):
                 self.cluster.faults[-1] = (start, time.monotonic(), f"{kind} {name}")
 
 
-def soak(seconds: float, concurrency: int, every: float, seed: int, workdir: Path) -> dict[str, Any]:
-    """Run the soak; what it counted and checked."""
+def soak(seconds: float, concurrency: int, every: float, seed: int, workdir: Path,
+         local_copy: bool = False) -> dict[str, Any]:
+    """Run the soak (``local_copy``: daemons with ``--local-copy``); what it counted and
+    checked."""
     if concurrency * SLICE > 256:
         raise SystemExit(f"--concurrency at most {256 // SLICE}")
     with dev_certs(*NAMES) as tls, ExitStack() as stack:
@@ -242,7 +244,8 @@ def soak(seconds: float, concurrency: int, every: float, seed: int, workdir: Pat
             stack.callback(daemon.stop)
             return daemon.start()
 
-        daemons = {name: start(name, []) for name in NAMES}
+        options = ["--local-copy"] if local_copy else []
+        daemons = {name: start(name, options) for name in NAMES}
         cluster = Cluster({n: attach(d, seed + i) for i, (n, d) in enumerate(daemons.items())}, seed)
 
         def restart(name: str) -> None:
@@ -251,7 +254,7 @@ def soak(seconds: float, concurrency: int, every: float, seed: int, workdir: Pat
             ports = ["--peer-address", old.daemon.peer_address,
                      "--ucx-port", str(old.daemon.ready_info["ucx_port"])]
             fresh = LocalDaemon(name, [POOL], workdir=str(workdir / name), tls=tls,
-                                metrics=True, extra_args=ports)
+                                metrics=True, extra_args=ports + options)
             stack.callback(fresh.stop)
             fresh.start()
             node = attach(fresh, seed + 100 + old.instance)
@@ -318,10 +321,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workdir", default="", help="where the daemons' logs go")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--local-copy", action="store_true",
+                        help="run the daemons with --local-copy (same-host copy, no UCX)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvxfer-soak-") as tmp:
         result = soak(args.seconds, args.concurrency, args.fault_every, args.seed,
-                      Path(args.workdir or tmp))
+                      Path(args.workdir or tmp), args.local_copy)
     if args.json:
         print(json.dumps(result))
     else:

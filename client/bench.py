@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvxfer.client.handoff import hand_off
+from kvxfer.client.handoff import Handoff, hand_off
 from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.client.spawn import LocalDaemon, dev_certs
 from kvxfer.pages import PageRuns
@@ -55,6 +55,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                                          "tmpfs mounted with huge=always (default /dev/shm)")
     where.add_argument("--no-ucx-error-handling", dest="ucx_error_handling", action="store_false",
                        help="start --spawn's daemons without UCX peer error handling (see README)")
+    where.add_argument("--local-copy", action="store_true",
+                       help="start --spawn's daemons with --local-copy: same-host transfers are "
+                            "copied by the receiving daemon from the sender's pool, no UCX")
     where.add_argument("--plaintext-peers", dest="tls", action="store_false",
                        help="--spawn's daemons talk in plaintext (default: mutual TLS with "
                             "certificates of a CA made for the run)")
@@ -110,16 +113,16 @@ class Results:
     transfers: int = 0
     errors: Counter[str] = field(default_factory=Counter)
     mismatched: int = 0
+    copied_locally: int = 0
     verify_seconds: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _one_transfer(args: argparse.Namespace, prefill: KvxferClient, decode: KvxferClient,
-                  tid: str, src: PageRuns, dst: PageRuns) -> tuple[bool, str]:
-    done = hand_off(prefill, decode, tid, pool=args.pool, src=src, dst=dst,
+                  tid: str, src: PageRuns, dst: PageRuns) -> Handoff:
+    return hand_off(prefill, decode, tid, pool=args.pool, src=src, dst=dst,
                     decode_peer=args.decode_peer or "", prefill_peer=args.prefill_peer or "",
                     mode=args.mode, verify=args.verify, timeout_s=args.timeout)
-    return done.ok, done.why
 
 
 def _same_pages(src_pool: AttachedPool, dst_pool: AttachedPool, src: PageRuns, dst: PageRuns) -> bool:
@@ -138,7 +141,8 @@ def run_bench(args: argparse.Namespace) -> int:
             if args.num_pages:
                 spec += f",num_pages={args.num_pages}"
             stderr.print(f"starting a prefill and a decode daemon ({args.preset}) on loopback ...")
-            extra = [] if args.ucx_error_handling else ["--no-ucx-error-handling"]
+            extra = ([] if args.ucx_error_handling else ["--no-ucx-error-handling"]) + \
+                (["--local-copy"] if args.local_copy else [])
             where: dict[str, Any] = {"shm_dir": args.shm_dir} if args.shm_dir else {}
             if args.tls:
                 where["tls"] = stack.enter_context(dev_certs("prefill", "decode"))
@@ -212,8 +216,10 @@ def _run(args: argparse.Namespace, lengths: tuple[int, int], stack: ExitStack) -
                 src = random_runs(rng, list(range(src_desc.num_pages)), args.pages, lengths)
                 dst = random_runs(rng, my_pages, args.pages, lengths)
                 start = time.perf_counter()
+                copied = False
                 try:
-                    ok, why = _one_transfer(args, pre, dec, f"bench-{i}-{time.time_ns()}", src, dst)
+                    done = _one_transfer(args, pre, dec, f"bench-{i}-{time.time_ns()}", src, dst)
+                    ok, why, copied = done.ok, done.why, done.received.lanes == 0
                 except Exception as exc:  # noqa: BLE001 - counted as an error of its kind
                     ok, why = False, type(exc).__name__
                 elapsed = time.perf_counter() - start
@@ -222,6 +228,7 @@ def _run(args: argparse.Namespace, lengths: tuple[int, int], stack: ExitStack) -
                 with results.lock:
                     results.verify_seconds += verifying
                     if ok:
+                        results.copied_locally += copied
                         results.latencies.append(elapsed)
                         results.bytes += args.pages * src_desc.page_bytes
                         results.transfers += 1
@@ -273,6 +280,7 @@ def _summary(args: argparse.Namespace, r: Results, seconds: float, page_bytes: i
         "p90_ms": round(_percentile(r.latencies, 0.9) * 1e3, 3),
         "p99_ms": round(_percentile(r.latencies, 0.99) * 1e3, 3),
         "errors": dict(r.errors), "mismatched_transfers": r.mismatched,
+        "copied_locally": r.copied_locally,
         "verified": bool(args.verify and r.transfers and r.mismatched == 0 and not r.errors),
     }
 

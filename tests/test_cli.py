@@ -42,15 +42,19 @@ def test_bench_spawn_json_numbers_are_consistent() -> None:
     assert r["gbps"] == pytest.approx(r["bytes"] / r["seconds"] / 1e9, rel=1e-2)
     assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"]
     assert r["gbps_per_transfer_min"] <= r["gbps_per_transfer_median"] <= r["gbps_per_transfer_max"]
+    assert r["copied_locally"] == 0  # over UCX: the spawned pair has no --local-copy
 
 
 @pytest.mark.slow
-def test_bench_pull_mode() -> None:
+@pytest.mark.parametrize("local_copy", [False, True])
+def test_bench_pull_mode(local_copy: bool) -> None:
     out = kvxfer("bench", "--spawn", "--preset", "tiny", "--pages", "4", "--run-length", "1-2",
-                 "--transfers", "3", "--mode", "pull", "--verify", "--json")
+                 "--transfers", "3", "--mode", "pull", "--verify", "--json",
+                 *(["--local-copy"] if local_copy else []))
     assert out.returncode == 0, out.stdout + out.stderr
     r = json.loads(out.stdout)
     assert r["mode"] == "pull" and r["transfers"] == 3 and r["verified"] is True
+    assert r["copied_locally"] == (3 if local_copy else 0)
 
 
 def test_bench_exits_nonzero_and_counts_errors_when_transfers_fail(spawn) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvxfer.descriptor import check_compatible
+from kvxfer.descriptor import PoolDescriptor, check_compatible
 from kvxfer.errors import (
     IncompatibleLayoutError,
     InternalError,
@@ -28,7 +28,7 @@ from kvxfer.errors import (
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
-from kvxfer.server.peer_protocol import Claim, Commit, PushRequest
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.planning import plan_chunks
@@ -92,6 +92,9 @@ class Sender:
         if dst is None:
             raise IncompatibleLayoutError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
         check_compatible(t.pool.descriptor, dst)
+        if grant.copied:
+            await self._after_copy(t, session, grant, dst)
+            return
         chunks = plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
                              self._chunk_bytes)
         if grant.lanes > connection.lanes:
@@ -99,16 +102,6 @@ class Sender:
                                     f"{connection.lanes}")
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
-        if grant.copied:
-            if not session.peer.reads_locally:
-                raise InvalidRangeError(f"peer {t.peer} says it copied {t.id!r} from our memory, "
-                                        "but it did not map our arenas")
-            t.begin(chunks, 0)
-            t.data_finished = time.monotonic()
-            checksums = (await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
-                         if t.verify else [])
-            await self._commit(t, session, checksums)  # the receiver ends only with it
-            return
         t.begin(chunks, grant.lanes)
         with tracing.phase(t, "data"):
             t.batch = self._transport.send(
@@ -122,6 +115,23 @@ class Sender:
         if not t.verify:
             self._registry.finish(t)
             return
+        await self._commit(t, session, checksums)
+
+    async def _after_copy(self, t: Transfer, session: OutboundSession, grant: ClaimGrant,
+                          dst: PoolDescriptor) -> None:
+        """The receiver copied from our pool (same host): commit, for the receiver ends only
+        with it, with each chunk's checksum when verifying (only then is there a plan to make)."""
+        if not session.peer.reads_locally:
+            raise InvalidRangeError(f"peer {t.peer} says it copied {t.id!r} from our memory, "
+                                    "but it did not map our arenas")
+        chunks = (plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
+                              self._chunk_bytes) if t.verify else ())
+        t.begin(chunks, 0)
+        t.data_finished = time.monotonic()
+        arena = t.pool.arena
+        checksums = (await asyncio.to_thread(
+            lambda: [checksum(arena.buffer(c.src_offset, c.nbytes)) for c in chunks])
+            if t.verify else [])
         await self._commit(t, session, checksums)
 
     async def _commit(self, t: Transfer, session: OutboundSession, checksums: list[int]) -> None:
