@@ -327,6 +327,9 @@ class Sessions:
     def _lose_inbound(self, session: InboundSession, reason: str) -> None:
         if self._inbound.get(session.session_id) is session:
             del self._inbound[session.session_id]
+        # Unmapped as soon as no running copy holds them: a mapping would keep a dead
+        # sender's unlinked pool in memory (ended transfers may still refer to the session).
+        session.sources = {}
         session.end(reason)
 
     # -- shutdown ---------------------------------------------------------------------------

@@ -73,6 +73,33 @@ def test_a_peer_without_local_copy_is_sent_to_over_ucx(local_pair, spawn) -> Non
         assert_moved(src, odst, PageRuns.of([(1, 4)]), PageRuns.of([(10, 4)]), before)
 
 
+def _peer_arenas_mapped(pid: int, own: str) -> list[str]:
+    """The kvxfer arena files process ``pid`` maps, other than its own ``own``."""
+    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return sorted({line.split(None, 5)[5] for line in lines
+                   if "kvxfer-" in line and own not in line})
+
+
+def test_a_senders_pool_is_unmapped_when_its_session_ends(spawn) -> None:
+    """The receiver maps each sender's pool for the session only: once the sender is gone
+    (stopped or killed) nothing keeps its unlinked file, and its memory, alive."""
+    dec = spawn("unmap-d", [SMALL], extra_args=[*LOCAL, "--heartbeat-s", "0.5"])
+    with KvxferClient(dec.worker_address) as d:
+        own = d.describe("kv")[1].shm.path
+        for how in ("stopped", "killed"):
+            pre = spawn(f"unmap-{how[0]}", [SMALL], extra_args=[*LOCAL, "--heartbeat-s", "0.5"])
+            with KvxferClient(pre.worker_address) as p:
+                done = hand_off(p, d, f"unmap-{how}", pool="kv", src=PageRuns.of([(0, 2)]),
+                                dst=PageRuns.of([(0, 2)]), decode_peer=dec.peer_address)
+                assert done.ok and done.received.lanes == 0
+                assert len(_peer_arenas_mapped(dec.pid, own)) == 1
+            pre.stop() if how == "stopped" else pre.kill()
+            deadline = time.monotonic() + 10  # the session ends within the liveness limit
+            while _peer_arenas_mapped(dec.pid, own) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _peer_arenas_mapped(dec.pid, own) == [], how
+
+
 class _FileSender:
     """A hand-driven sender whose "arena" is a file this test wrote: it describes the file
     in its handshake, claims, and commits only when told to."""
