@@ -305,6 +305,12 @@ class Sessions:
                 reason = f"sender {session.peer_address} went away"
             self._lose_inbound(session, reason)
 
+    def watch_ended(self, session_id: str, reason: str) -> None:
+        """The Watch stream of inbound session ``session_id`` ended, however it ended."""
+        session = self._inbound.get(session_id)
+        if session is not None and session.watched:
+            self._lose_inbound(session, f"sender {session.peer_address}: {reason}")
+
     async def _listen(self, sender_beats: AsyncIterator[object]) -> str:
         """How the sender's beats ended: it closed the stream, or it fell silent."""
         beats = aiter(sender_beats)

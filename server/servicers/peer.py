@@ -77,6 +77,14 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         if first is None:
             return  # the sender hung up before naming its session
         beats = self._sessions.heartbeats(first.session_id, Caller.of(context), requests)
+        session_id = first.session_id
+
+        def stream_ended(_: Context) -> None:
+            # However the stream ends, the session ends with it: a stream whose sender died
+            # while a heartbeat was being written leaves ``beats`` suspended, not closed.
+            self._sessions.watch_ended(session_id, "its Watch stream ended")
+
+        context.add_done_callback(stream_ended)  # type: ignore[arg-type]  # the stub wants its own class
         async for unix_time in beats:
             yield pb.Heartbeat(unix_time=unix_time)
 

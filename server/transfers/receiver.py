@@ -30,7 +30,6 @@ from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
     PeerNotAllowedError,
-    TransferAbortedError,
     TransferExistsError,
     TransferNotFoundError,
 )
@@ -80,7 +79,7 @@ class Receiver:
             raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
                                       f"{caller.name} may not claim it")
         if t.state.final:
-            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+            raise t.failure(f"transfer {t.id!r} already ended")
         if t.state != TransferState.WAITING or t.session_id:
             raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
         t.session_id = claim.session_id
@@ -139,7 +138,7 @@ class Receiver:
                                         chunks, lambda: t.state.final)
             await session.guard(asyncio.wrap_future(t.copying))
         if t.state.final:
-            raise t.error or TransferAbortedError(f"transfer {t.id!r} ended during its copy")
+            raise t.failure(f"transfer {t.id!r} ended during its copy")
         t.data_finished = time.monotonic()
         self._maybe_corrupt(t)
         t.arrived.set()

@@ -115,9 +115,19 @@ class Transfer:
         if self.state.final:
             return False
         self.advance(final_state(error))
-        self.error = error
+        # Kept as a record, type and message: a traceback's frames would keep alive what
+        # they held (a peer's mapped pool, say) for as long as the transfer is remembered.
+        self.error = None if error is None else type(error)(str(error))
         self.finished = time.monotonic()
         return True
+
+    def failure(self, otherwise: str) -> KvxferError:
+        """A new exception saying how this transfer ended: its error's type and message, or
+        TransferAbortedError(``otherwise``). Raising the stored error itself would tie the
+        raiser's frames to it for as long as the transfer is remembered."""
+        if self.error is None:
+            return TransferAbortedError(otherwise)
+        return type(self.error)(str(self.error))
 
     @property
     def log_fields(self) -> dict[str, str]:

@@ -24,7 +24,6 @@ from kvxfer.errors import (
     InternalError,
     InvalidRangeError,
     PeerNotAllowedError,
-    TransferAbortedError,
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
@@ -62,7 +61,7 @@ class Sender:
             raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
                                       f"{caller.name} may not pull it")
         if t.state.final:
-            raise t.error or TransferAbortedError(f"transfer {t.id!r} already ended")
+            raise t.failure(f"transfer {t.id!r} already ended")
         if t.peer or t.task is not None:
             raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
         t.peer = request.reply_to
