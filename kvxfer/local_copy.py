@@ -121,6 +121,8 @@ def copy_in_threads(copier: Executor, threads: int, src: PeerArena, dst: Arena,
             if left[0]:
                 return
         errors = [e for e in (p.exception() for p in parts) if e is not None]
+        if whole.done():
+            return  # its waiter gave up on it (cancelled)
         if errors:
             whole.set_exception(errors[0])
         else:

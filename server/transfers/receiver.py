@@ -129,21 +129,37 @@ class Receiver:
         """Same host: copy every chunk from the sender's mapped arena, then answer ``copied``.
         The transfer ends only with the sender's Commit, which a sender sends only if its
         transfer was still running when this answer came, so the source pages cannot have
-        been handed back to its engine while they were read."""
+        been handed back to its engine while they were read. The copy runs in the
+        transfer's own task: a Claim call cancelled midway (its sender died) leaves it to
+        the session to fail the transfer."""
         chunks = self._plan(t, claim, session)
         t.verify = claim.verify
         t.begin(chunks, 0)
-        with self._registry.tracing.phase(t, "data"):
-            t.copying = copy_in_threads(self._copier, self._copy_threads, source, t.pool.arena,
-                                        chunks, lambda: t.state.final)
-            await session.guard(asyncio.wrap_future(t.copying))
+        t.copying = copy_in_threads(self._copier, self._copy_threads, source, t.pool.arena,
+                                    chunks, lambda: t.state.final)
+        t.task = asyncio.create_task(self._copied(t, session), name=f"copy {t.id}")
+        await t.arrived.wait()  # set once copied, or once the transfer's end is told
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} ended during its copy")
-        t.data_finished = time.monotonic()
-        self._maybe_corrupt(t)
-        t.arrived.set()
-        t.task = asyncio.create_task(self._until_end(t, session), name=f"commit of {t.id}")
         return ClaimGrant(0, t.pool.name, t.runs, 0, copied=True)
+
+    async def _copied(self, t: Transfer, session: InboundSession) -> None:
+        """Wait for ``t``'s copy under the session, then for its sender's Commit."""
+        assert t.copying is not None
+        try:
+            with self._registry.tracing.phase(t, "data"):
+                # shield: giving up on the copy (session lost) must not cancel the future
+                # that tells when the copier threads stopped writing.
+                await session.guard(asyncio.shield(asyncio.wrap_future(t.copying)))
+            if t.state.final:
+                return
+            t.data_finished = time.monotonic()
+            self._maybe_corrupt(t)
+            t.arrived.set()
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)
+            return
+        await self._until_end(t, session)
 
     def _maybe_corrupt(self, t: Transfer) -> None:
         if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
