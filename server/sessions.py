@@ -289,21 +289,15 @@ class Sessions:
         session.watched = True
         listening = asyncio.create_task(self._listen(sender_beats), name=f"listen {session_id[:8]}")
         closing = asyncio.create_task(self._closing.wait(), name=f"closing {session_id[:8]}")
-        reason = "this daemon shut down"
         try:
-            while not closing.done():
-                if listening.done():
-                    reason = f"sender {session.peer_address} {listening.result()}"
-                    break
+            while not (closing.done() or listening.done()):
                 yield time.time()
                 await asyncio.wait({listening, closing}, timeout=self._heartbeat_s,
                                    return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._lose_inbound(session, _why_watch_ended(session, listening, closing))
             listening.cancel()
             closing.cancel()
-            if not (listening.done() or closing.done()):
-                reason = f"sender {session.peer_address} went away"
-            self._lose_inbound(session, reason)
 
     def watch_ended(self, session_id: str, reason: str) -> None:
         """The Watch stream of inbound session ``session_id`` ended, however it ended."""
@@ -349,3 +343,15 @@ class Sessions:
         await asyncio.gather(*watches, return_exceptions=True)
         for session in list(self._inbound.values()):
             self._lose_inbound(session, "this daemon shut down")
+
+
+def _why_watch_ended(session: InboundSession, listening: asyncio.Task[str],
+                     closing: asyncio.Task[bool]) -> str:
+    """Why a Watch stream ended: this daemon closed, the sender's beats ended (and how), or
+    the stream broke under us, as it does when the sender dies. The sender's beats and our
+    stream often end at the same moment; whichever did, the reason names the sender."""
+    if closing.done() and not closing.cancelled():
+        return "this daemon shut down"
+    if listening.done() and not listening.cancelled():
+        return f"sender {session.peer_address} {listening.result()}"
+    return f"sender {session.peer_address} went away"

@@ -55,7 +55,10 @@ class FakeNetwork:
 
     transports: dict[int, FakeTransport] = field(default_factory=dict)
     holding: bool = False
-    held: list[tuple[FakeTransport, Any, int, FakeBatch]] = field(default_factory=list)
+    # Out of repr: a held message views its sender's pool, which a stopped daemon unmapped
+    # (pytest prints a failing frame's arguments, and reading unmapped memory crashes it).
+    held: list[tuple[FakeTransport, Any, int, FakeBatch]] = field(default_factory=list,
+                                                                  repr=False)
     corrupt_next: bool = False
     fail_sends: bool = False
     dropped: int = 0

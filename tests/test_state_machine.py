@@ -141,7 +141,7 @@ async def the_sender_dies_mid_transfer(sender: Side, receiver: Side, network: Fa
     await sender.sever()
     got = await receiver.final("ok", timeout_s=5)
     assert isinstance(got.failure, PeerUnavailableError), got.error
-    assert "went away" in got.error
+    assert f"sender {sender.peer_address} " in got.error, got.error
 
 
 async def a_byte_is_corrupted_on_the_wire(sender: Side, receiver: Side, network: FakeNetwork) -> None:
