@@ -95,11 +95,12 @@ class AttachedPool:
 #: A restarted daemon (the sidecar outlives the engine, and the other way round) is reached
 #: again within 0.1-1 s: a channel of its own (gRPC shares connections per target and
 #: process, and a shared one still backing off refuses a new client at once) and short
-#: reconnect backoff (gRPC's default grows to 120 s).
+#: reconnect backoff (gRPC's default grows to 120 s). Not ``min_reconnect_backoff_ms``: gRPC
+#: also gives each connection attempt only that long, so a daemon slower than 0.1 s to
+#: answer a new connection (a loaded machine) would be UNAVAILABLE at once.
 CHANNEL_OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 

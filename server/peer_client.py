@@ -62,9 +62,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.enable_retries", 1),
     ("grpc.service_config", SERVICE_CONFIG),
-    # A restarted peer is dialled again within a second (gRPC's default backoff grows to 2 min).
+    # A restarted peer is dialled again within a second (gRPC's default backoff grows to 2 min);
+    # not min_reconnect_backoff_ms, which also cuts each connection attempt to that long.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 #: The least time a call is given, so that a call made at its deadline still says why it failed.

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -138,6 +139,27 @@ def test_a_frozen_peer_fails_transfers_by_liveness_and_is_served_again_after(spa
         no_request_posted(pre, dec)
         new_transfer_works(p, d, dec, src, dst, "after-thaw")
     print(f"frozen {side}: the other side failed the transfer {took:.1f} s after the freeze")
+
+
+def test_a_daemon_slow_to_answer_a_new_connection_is_waited_for(spawn) -> None:
+    """A daemon that takes a second to answer a new connection (a loaded machine: CI saw
+    it under two vLLM engines of two ranks each) is waited for within the call's deadline,
+    by a worker's first call and by a peer's first handshake, not refused with UNAVAILABLE
+    once gRPC's 0.1 s reconnect backoff passed."""
+    pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
+    with KvxferClient(dec.worker_address) as d, ThreadPoolExecutor(1) as caller:
+        with frozen(pre):  # the kernel queues the connection; nobody answers it for 1 s
+            first_call = caller.submit(lambda: KvxferClient(pre.worker_address).leased_pages())
+            time.sleep(1.0)
+        assert first_call.result(timeout=15) == {"kv": 0}
+        d.expect("slow-peer", "kv", PageRuns.of([(0, 4)]), timeout_s=30)
+        with KvxferClient(pre.worker_address) as p:
+            with frozen(dec):  # the sender's first handshake to it waits
+                p.push("slow-peer", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address,
+                       timeout_s=30)
+                time.sleep(1.0)
+            sent, got = p.wait("slow-peer", timeout_s=35), d.wait("slow-peer", timeout_s=35)
+        assert sent.ok and got.ok, (sent.error, got.error)
 
 
 def test_a_late_writer_cannot_land_in_reused_pages(spawn) -> None:
