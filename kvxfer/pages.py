@@ -24,6 +24,9 @@ class PageRun:
     count: int
 
     def __post_init__(self) -> None:
+        start, count = self.start, self.count
+        if type(start) is int and type(count) is int and start >= 0 and count >= 1:
+            return  # the common case, checked cheaply: a page_size=1 transfer has thousands
         for name in ("start", "count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -148,24 +151,24 @@ def map_extents(
     if page_bytes <= 0:
         raise InvalidRangeError(f"page_bytes={page_bytes} must be positive")
     extents: list[Extent] = []
-    src_runs, dst_runs = list(src.runs), list(dst.runs)
+    # Plain (start, count) tuples and locals: this loop is on every transfer's critical path.
+    src_runs = [(r.start, r.count) for r in src.runs]
+    dst_runs = [(r.start, r.count) for r in dst.runs]
     i = j = 0
     src_used = dst_used = 0
-    while i < len(src_runs):
-        s, d = src_runs[i], dst_runs[j]
-        count = min(s.count - src_used, d.count - dst_used)
-        extents.append(
-            Extent(
-                src_offset=src_anchor + (s.start + src_used) * page_bytes,
-                dst_offset=dst_anchor + (d.start + dst_used) * page_bytes,
-                nbytes=count * page_bytes,
-            )
-        )
+    n_src = len(src_runs)
+    while i < n_src:
+        s_start, s_count = src_runs[i]
+        d_start, d_count = dst_runs[j]
+        count = min(s_count - src_used, d_count - dst_used)
+        extents.append(Extent(src_anchor + (s_start + src_used) * page_bytes,
+                              dst_anchor + (d_start + dst_used) * page_bytes,
+                              count * page_bytes))
         src_used += count
         dst_used += count
-        if src_used == s.count:
+        if src_used == s_count:
             i, src_used = i + 1, 0
-        if dst_used == d.count:
+        if dst_used == d_count:
             j, dst_used = j + 1, 0
     return tuple(extents)
 
@@ -176,6 +179,9 @@ def split_extents(extents: Iterable[Extent], max_bytes: int) -> tuple[Extent, ..
         raise InvalidRangeError(f"max_bytes={max_bytes} must be positive")
     pieces = []
     for extent in extents:
+        if extent.nbytes <= max_bytes:
+            pieces.append(extent)
+            continue
         for start in range(0, extent.nbytes, max_bytes):
             n = min(max_bytes, extent.nbytes - start)
             pieces.append(Extent(extent.src_offset + start, extent.dst_offset + start, n))
