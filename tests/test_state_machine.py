@@ -144,6 +144,21 @@ async def the_sender_dies_mid_transfer(sender: Side, receiver: Side, network: Fa
     assert f"sender {sender.peer_address} " in got.error, got.error
 
 
+async def the_sender_dies_between_its_bytes_and_its_commit(sender: Side, receiver: Side,
+                                                          network: FakeNetwork) -> None:
+    network.hold()
+    await push(sender, receiver, "ok", verify=True)
+    await until(lambda: receiver.transfers.registry.get("ok").state == T, what="the claim")
+    chunks = len(receiver.transfers.registry.get("ok").chunks)
+    await until(lambda: len(network.held) == chunks, what="the sends")
+    network.release()  # every byte lands; the sender's Commit has not been sent yet
+    await sender.sever()
+    got = await receiver.final("ok", timeout_s=5)  # by the session, not the 10 s deadline
+    assert isinstance(got.failure, PeerUnavailableError), got.error
+    assert f"sender {sender.peer_address} " in got.error, got.error
+    assert moved(sender, receiver)  # the bytes are there, but unverified, so not DONE
+
+
 async def a_byte_is_corrupted_on_the_wire(sender: Side, receiver: Side, network: FakeNetwork) -> None:
     network.corrupt_next = True
     await push(sender, receiver, "ok", verify=True)
@@ -173,6 +188,7 @@ SCENARIOS: list[tuple[Scenario, set[Transition], set[Transition]]] = [
     (the_bytes_do_not_arrive_before_the_deadline, {(T, LATE)}, {(T, LATE)}),
     (the_receiver_dies_mid_transfer, {(W, T), (T, FAILED)}, set()),
     (the_sender_dies_mid_transfer, set(), {(W, T), (T, FAILED)}),
+    (the_sender_dies_between_its_bytes_and_its_commit, set(), {(W, T), (T, FAILED)}),
     (a_byte_is_corrupted_on_the_wire, {(T, FAILED)}, {(T, FAILED)}),
 ]
 
