@@ -147,11 +147,16 @@ def test_a_daemon_slow_to_answer_a_new_connection_is_waited_for(spawn) -> None:
     by a worker's first call and by a peer's first handshake, not refused with UNAVAILABLE
     once gRPC's 0.1 s reconnect backoff passed."""
     pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
+
+    def first_call() -> dict[str, int]:
+        with KvxferClient(pre.worker_address) as fresh:
+            return fresh.leased_pages()
+
     with KvxferClient(dec.worker_address) as d, ThreadPoolExecutor(1) as caller:
         with frozen(pre):  # the kernel queues the connection; nobody answers it for 1 s
-            first_call = caller.submit(lambda: KvxferClient(pre.worker_address).leased_pages())
+            answer = caller.submit(first_call)
             time.sleep(1.0)
-        assert first_call.result(timeout=15) == {"kv": 0}
+        assert answer.result(timeout=15) == {"kv": 0}
         d.expect("slow-peer", "kv", PageRuns.of([(0, 4)]), timeout_s=30)
         with KvxferClient(pre.worker_address) as p:
             with frozen(dec):  # the sender's first handshake to it waits
