@@ -120,9 +120,9 @@ def copy_in_threads(copier: Executor, threads: int, src: PeerArena, dst: Arena,
             left[0] -= 1
             if left[0]:
                 return
-        errors = [e for e in (p.exception() for p in parts) if e is not None]
         if whole.done():
             return  # its waiter gave up on it (cancelled)
+        errors = [e for e in (p.exception() for p in parts) if e is not None]
         if errors:
             whole.set_exception(errors[0])
         else:

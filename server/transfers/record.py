@@ -115,9 +115,7 @@ class Transfer:
         if self.state.final:
             return False
         self.advance(final_state(error))
-        # Kept as a record, type and message: a traceback's frames would keep alive what
-        # they held (a peer's mapped pool, say) for as long as the transfer is remembered.
-        self.error = None if error is None else type(error)(str(error))
+        self.error = None if error is None else _detached(error)
         self.finished = time.monotonic()
         return True
 
@@ -127,7 +125,7 @@ class Transfer:
         raiser's frames to it for as long as the transfer is remembered."""
         if self.error is None:
             return TransferAbortedError(otherwise)
-        return type(self.error)(str(self.error))
+        return _detached(self.error)
 
     @property
     def log_fields(self) -> dict[str, str]:
@@ -167,3 +165,10 @@ class Transfer:
             failure=self.error, verified=self.verified, created_unix=self.created_unix,
             data_seconds=data_seconds, lanes=self.lanes, timeout_s=self.timeout_s,
         )
+
+
+def _detached(error: KvxferError) -> KvxferError:
+    """A new exception of ``error``'s type and message, with no traceback: a traceback's
+    frames would keep alive what they held (a peer's mapped pool, say) for as long as the
+    transfer is remembered."""
+    return type(error)(str(error))
