@@ -12,20 +12,36 @@ timed in the same rounds, so the figure printed per case is how many such round
 trips a transfer costs; the machine is shared and noisy, so cases run
 interleaved and each ratio is the median of the per-round ratios.
 
+It also counts the CPU time each case costs, per transfer, in the prefill daemon,
+the decode daemon and this client (user + system, from ``/proc``), and the CPU time
+of the trivial call: on a machine with few cores a transfer's time is bounded by
+the CPU it needs, however few round trips it waits for.
+
 usage: python benchmarks/transfer_latency.py [--rounds 5] [--per-round 20] [--eh on|off] [--lanes 1]
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 
 from transfer_bandwidth import daemon_pair, print_result, rounds_parser, ucx_env
 
 
 def _median_ms(samples: list[float]) -> float:
     return round(statistics.median(samples) * 1e3, 3)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -38,8 +54,20 @@ def main() -> int:
     cases = [(pages, verify) for pages in (1, 16) for verify in (False, True)]
     seconds: dict[str, list[float]] = {"grpc_health": []}
     per_round: dict[str, list[float]] = {}
+    cpu: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
     with daemon_pair("llama8b", 1, ucx_env(), 4 << 20, args.eh == "on", "/dev/shm",
                      args.lanes) as pair:
+        pids = {"prefill": pair.prefill.pid, "decode": pair.decode.pid}
+
+        def timed(name: str, one: Callable[[], float]) -> list[float]:
+            """``per_round`` runs of ``one``, counting the CPU they cost into ``cpu[name]``."""
+            before = {side: cpu_seconds(pid) for side, pid in pids.items()}
+            client = time.process_time()
+            samples = [one() for _ in range(args.per_round)]
+            cpu[name]["client"] += time.process_time() - client
+            for side, pid in pids.items():
+                cpu[name][side] += cpu_seconds(pid) - before[side]
+            return samples
 
         def one_transfer(pages: int, verify: bool) -> float:
             return pair.move(pages, verify)[1]
@@ -50,21 +78,32 @@ def main() -> int:
             return time.perf_counter() - start
 
         for _ in range(args.rounds):
-            health = [one_health() for _ in range(args.per_round)]
+            health = timed("grpc_health", one_health)
             seconds["grpc_health"] += health
             for pages, verify in cases:
                 name = f"pages{pages}_verify_{'on' if verify else 'off'}"
-                samples = [one_transfer(pages, verify) for _ in range(args.per_round)]
+                samples = timed(name, partial(one_transfer, pages, verify))
                 seconds.setdefault(name, []).extend(samples)
                 per_round.setdefault(name, []).append(
                     statistics.median(samples) / statistics.median(health))
 
     result: dict[str, object] = {"eh": args.eh, "lanes": args.lanes, "rounds": args.rounds,
-                                 "per_round": args.per_round, "page_bytes": 2 << 20}
+                                 "per_round": args.per_round, "page_bytes": 2 << 20,
+                                 "cpu_count": os.cpu_count()}
     for name, values in seconds.items():
         result[f"{name}_ms_median"] = _median_ms(values)
     for name, values in per_round.items():
         result[f"ratio_{name}_vs_grpc_health"] = round(statistics.median(values), 1)
+    calls = args.rounds * args.per_round
+    for name, by_process in cpu.items():
+        for process, used in by_process.items():
+            result[f"{name}_cpu_ms_{process}"] = round(used / calls * 1e3, 3)
+        result[f"{name}_cpu_ms_total"] = round(sum(by_process.values()) / calls * 1e3, 3)
+    health_cpu = sum(cpu["grpc_health"].values())
+    for name in per_round:
+        if health_cpu > 0:
+            result[f"cpu_ratio_{name}_vs_grpc_health"] = round(
+                sum(cpu[name].values()) / health_cpu, 1)
     print_result(result, args.json)
     return 0
 
