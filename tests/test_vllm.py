@@ -24,6 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
+#: Where vLLM's CPU tensor-parallel ranks keep their shared-memory segments (vllm_dist_*).
+SHM = Path("/dev/shm")
 
 
 def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, Any]:
@@ -34,11 +36,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, 
             pytest.fail(message)
         pytest.skip(message)
     workdir = tmp_path_factory.mktemp("vllm")
+    segments_before = set(SHM.glob("vllm_dist_*"))
     out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-6000:] + log_tails(workdir)
     result: dict[str, Any] = json.loads(out.stdout)
+    result["shm_segments_left"] = sorted(map(str, set(SHM.glob("vllm_dist_*")) - segments_before))
     return result
 
 
@@ -120,6 +124,10 @@ def test_with_two_tensor_parallel_ranks_the_answers_still_equal_one_engine(run_t
     assert run_tp2["tp"] == 2
     assert differences(run_tp2["baseline"]["A"], run_tp2["disaggregated"]) == []
     assert run_tp2["streamed"]["text"] == run_tp2["baseline"]["A"][5]["text"]
+
+
+def test_stopped_tensor_parallel_engines_leave_no_shared_memory(run_tp2) -> None:
+    assert run_tp2["shm_segments_left"] == []
 
 
 def test_with_two_ranks_each_rank_moves_its_own_shard_and_nothing_is_computed_twice(run_tp2) -> None:

@@ -38,6 +38,28 @@ ENGINE_ENV = {
 }
 #: vLLM's CPU attention needs blocks of a multiple of 32 tokens.
 BLOCK_SIZE = 32
+#: Where vLLM's CPU tensor-parallel ranks keep their shared-memory segments (two of
+#: 4 MiB per engine), which an engine stopped by a signal leaves behind.
+SHM_DIR = Path("/dev/shm")
+SHM_SEGMENTS = "vllm_dist_*"
+
+
+def shm_segments() -> set[Path]:
+    """vLLM's shared-memory segments on this machine now."""
+    return set(SHM_DIR.glob(SHM_SEGMENTS))
+
+
+def mapped_paths() -> set[str]:
+    """The paths of the files that the processes we may inspect have mapped (``/proc``)."""
+    paths: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited, or is not ours to read
+            continue
+        paths.update(fields[5] for line in text.splitlines()
+                     if len(fields := line.split(maxsplit=5)) == 6)
+    return paths
 
 
 def cpu_binding(tp: int) -> str:
@@ -106,6 +128,7 @@ class VllmServer:
 
     def spawn(self) -> VllmServer:
         """Start the process (``wait_ready`` waits until it serves)."""
+        self._shm_before = shm_segments()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.args, env=self.env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -130,7 +153,8 @@ class VllmServer:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM its process group, then SIGKILL after ``timeout_s``."""
+        """SIGTERM its process group, then SIGKILL after ``timeout_s``; then remove the
+        shared-memory segments it left (see ``remove_left_segments``)."""
         if self.process is None or self.process.poll() is not None:
             return
         os.killpg(self.process.pid, signal.SIGTERM)
@@ -139,6 +163,15 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+        self.remove_left_segments()
+
+    def remove_left_segments(self) -> None:
+        """Unlink the vLLM segments that appeared since this server started and that no
+        process maps any more (another engine's, still running, stay)."""
+        mapped = mapped_paths()
+        for path in shm_segments() - self._shm_before:
+            if str(path) not in mapped:
+                path.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmServer:
         self.spawn().wait_ready()
