@@ -68,3 +68,21 @@ def test_a_cursor_older_than_what_is_kept_says_so(tmp_path: Path) -> None:
             ended, cursor, missed = await verbs.completions(1, 0)
             assert [i.transfer_id for i in ended] == ["t3", "t4"] and cursor == 5 and missed
     run(body)
+
+
+def test_only_the_oldest_finished_transfers_are_forgotten(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with side(tmp_path, "decode", FakeNetwork(), retain_transfers=2) as receiver:
+            verbs, registry = receiver.transfers, receiver.transfers.registry
+            for i, name in enumerate(["a", "b", "c"]):
+                verbs.expect(name, "kv", PageRuns.of([(i, 1)]), 10)
+                verbs.abort(name, "")
+            assert [t.id for t in registry.all()] == ["b", "c"]
+            verbs.expect("running", "kv", PageRuns.of([(10, 1)]), 10)
+            assert [t.id for t in registry.all()] == ["c", "running"]
+            for i, name in enumerate(["running2", "running3"]):
+                verbs.expect(name, "kv", PageRuns.of([(11 + i, 1)]), 10)
+            # Unfinished transfers are never forgotten, even beyond retain_transfers.
+            assert [t.id for t in registry.all()] == ["running", "running2", "running3"]
+            assert sorted(t.id for t in registry.unfinished()) == ["running", "running2", "running3"]
+    run(body)

@@ -81,8 +81,8 @@ class TransferCoordinator:
 
     async def _watch_leases(self) -> None:
         async for lease, why in self.leases.ended():
-            for t in self.registry.all():
-                if t.lease_id != lease.id or t.state.final:
+            for t in self.registry.unfinished():
+                if t.lease_id != lease.id:
                     continue
                 try:
                     self.registry.finish(t, LeaseExpiredError(
@@ -257,12 +257,12 @@ class TransferCoordinator:
         """Refuse new transfers, let running ones finish for ``grace_s``, fail the rest (telling
         their peers), and wait for those messages to go out."""
         self.registry.accepting = False
-        running = [t for t in self.registry.all() if t.state == TransferState.TRANSFERRING]
+        running = [t for t in self.registry.unfinished() if t.state == TransferState.TRANSFERRING]
         if running:
             log.info("waiting up to %.1fs for %d running transfers", grace_s, len(running))
             await asyncio.wait([asyncio.create_task(t.done.wait()) for t in running],
                                timeout=grace_s)
-        for t in self.registry.all():
+        for t in self.registry.unfinished():
             if not t.state.final:
                 self.registry.finish(t, PeerUnavailableError(
                     f"daemon {self.peer_address} is draining: it shut down before this transfer "
