@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from daemon_pairs import attached_pair
 from peer_calls import beats
 from pool_checks import assert_moved, fill_random
 
@@ -32,18 +33,8 @@ LOCAL = ["--local-copy"]
 @pytest.fixture(scope="module")
 def local_pair(tmp_path_factory, dev_ca):
     """A prefill and a decode daemon on this host, both with local copy on, over mutual TLS."""
-    from kvxfer.client.spawn import LocalDaemon
-
-    root = tmp_path_factory.mktemp("local")
-    dev_ca.issue("prefill"), dev_ca.issue("decode")
-    with LocalDaemon("prefill", [SMALL], workdir=str(root / "p"), extra_args=LOCAL,
-                     tls=dev_ca.out) as pre, \
-            LocalDaemon("decode", [SMALL], workdir=str(root / "d"), extra_args=LOCAL,
-                        tls=dev_ca.out) as dec:
-        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
-                p.attach("kv") as src, d.attach("kv") as dst:
-            fill_random(src, 3)
-            yield pre, dec, p, d, src, dst
+    with attached_pair(tmp_path_factory.mktemp("local"), dev_ca, SMALL, LOCAL, seed=3) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+from daemon_pairs import attached_pair
 from pool_checks import assert_moved, fill_random, standard_runs
 
 from kvxfer.client import KvxferClient
@@ -35,19 +36,9 @@ def pair(tmp_path_factory, dev_ca):
     They run two UCX lanes, so every test here moves its chunks over both, and talk over
     mutual TLS.
     """
-    from kvxfer.client.spawn import LocalDaemon
-
-    root = tmp_path_factory.mktemp("pair")
-    lanes = ["--ucx-lanes", "2"]
-    dev_ca.issue("prefill"), dev_ca.issue("decode")
-    with LocalDaemon("prefill", [STANDARD], workdir=str(root / "p"), extra_args=lanes,
-                     tls=dev_ca.out) as pre, \
-            LocalDaemon("decode", [STANDARD], workdir=str(root / "d"), extra_args=lanes,
-                        tls=dev_ca.out) as dec:
-        with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
-                p.attach("kv") as src, d.attach("kv") as dst:
-            fill_random(src, 1)
-            yield pre, dec, p, d, src, dst
+    with attached_pair(tmp_path_factory.mktemp("pair"), dev_ca, STANDARD, ["--ucx-lanes", "2"],
+                       seed=1) as pair:
+        yield pair
 
 
 def test_standard_workload_push_is_byte_exact(pair) -> None:
