@@ -154,15 +154,17 @@ class VllmServer:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM its process group, then SIGKILL after ``timeout_s``; then remove the
-        shared-memory segments it left (see ``remove_left_segments``)."""
-        if self.process is None or self.process.poll() is not None:
+        shared-memory segments it left (see ``remove_left_segments``), also when it had
+        exited by itself."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
         self.remove_left_segments()
 
     def remove_left_segments(self) -> None:
