@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 
+from kvxfer.client.integrations.vllm.deploy import shm_segments
 from kvxfer.transport import LOOPBACK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
-#: Where vLLM's CPU tensor-parallel ranks keep their shared-memory segments (vllm_dist_*).
-SHM = Path("/dev/shm")
 
 
 def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, Any]:
@@ -36,13 +35,13 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, 
             pytest.fail(message)
         pytest.skip(message)
     workdir = tmp_path_factory.mktemp("vllm")
-    segments_before = set(SHM.glob("vllm_dist_*"))
+    segments_before = shm_segments()
     out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-6000:] + log_tails(workdir)
     result: dict[str, Any] = json.loads(out.stdout)
-    result["shm_segments_left"] = sorted(map(str, set(SHM.glob("vllm_dist_*")) - segments_before))
+    result["shm_segments_left"] = sorted(map(str, shm_segments() - segments_before))
     return result
 
 
