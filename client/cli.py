@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable; served "
                         "after the config file's pools)")
     s.add_argument("--ready-file", help="write a JSON line with the bound addresses and ports "
-                                        "once serving")
+                                        "once serving (it appears whole: polling for it is safe)")
     s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
     s.add_argument("--log-format", choices=logs.FORMATS,
                    default=os.environ.get("KVXFER_LOG_FORMAT", "text"),

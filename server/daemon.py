@@ -244,13 +244,22 @@ class Daemon:
         log.info("stopped")
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader finds it absent or whole, never half written: a
+    temporary file beside it, renamed over it (a launcher polls for the ready file and
+    reads it as soon as it exists)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
 async def serve(config: DaemonConfig, ready_file: str | None = None) -> None:
     """Run a daemon until SIGTERM/SIGINT; write where it listens to ``ready_file`` once serving."""
     daemon = Daemon(config)
     try:
         bound = await daemon.start()
         if ready_file:
-            Path(ready_file).write_text(json.dumps(asdict(bound)))
+            write_whole(Path(ready_file), json.dumps(asdict(bound)))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

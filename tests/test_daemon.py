@@ -253,3 +253,17 @@ def test_grpcs_error_for_an_answer_to_a_caller_that_left_becomes_one_info_line()
     assert record.getMessage() == "answer dropped: the caller of /kvxfer.v1.KvxferPeer/Claim went away"
     other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "something else", (), None)
     assert _LATE_ANSWERS.filter(other) and other.levelname == "ERROR"
+
+
+def test_the_ready_file_appears_whole(tmp_path: Path) -> None:
+    """A launcher polls for the ready file and reads it once it exists (CI once read it
+    empty, mid-write): it is written beside and renamed over, never written in place."""
+    from kvxfer.server.daemon import write_whole
+
+    ready = tmp_path / "d.ready.json"
+    ready.write_text("old")
+    with open(ready) as reader_of_the_old_file:
+        write_whole(ready, '{"worker_address": "unix:///x"}')
+        assert reader_of_the_old_file.read() == "old"  # the old file was replaced, not rewritten
+    assert json.loads(ready.read_text()) == {"worker_address": "unix:///x"}
+    assert [p.name for p in tmp_path.iterdir()] == ["d.ready.json"]
