@@ -9,6 +9,14 @@ mapping that stays valid (the copy just finishes, and the transfer fails with th
 session), and only the receiver ever writes its own memory, so no late writer of an
 ended transfer can touch pages already handed to another.
 
+A mapped file that someone shortens kills the process that reads past its new end
+(SIGBUS). The receiver keeps the file open beside its mapping and checks its size
+before a copy's first chunk and then every few MiB, so a file shortened before
+that fails the transfer (IntegrityError) instead; only one shortened while the
+copy is between two checks (~0.3 ms here) still does. Reading with ``preadv`` instead would close that window, at a
+third of the copy's speed here (5.2 against 9.2 GB/s on one core, 10.0 against
+15.3 on two).
+
 Whether a peer's file is really the one it described is checked, not assumed: the
 same boot of the same kernel (``/proc/sys/kernel/random/boot_id``) and the same
 file (device and inode numbers, size) seen through the path it named. Anything else
@@ -22,20 +30,22 @@ import mmap
 import os
 import stat
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from kvxfer.errors import IntegrityError
 from kvxfer.memory import Arena
 from kvxfer.pages import Extent
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-#: A peer's arena, mapped read-only into this process.
-PeerArena = np.ndarray[Any, np.dtype[np.uint8]]
+#: How many bytes a copy moves between two checks of its source file's size (each costs
+#: ~1-3 us; a check per 0.5 MiB chunk cost 3 % of a page_size 1 copy here).
+SIZE_CHECK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -67,9 +77,30 @@ def describe_arena(arena: Arena) -> ArenaFile | None:
     return ArenaFile(shm.path, arena.size_bytes, host, info.st_dev, info.st_ino)
 
 
+class PeerArena:
+    """A peer's arena, mapped read-only, with its file kept open to check its size. Both
+    are released once nothing refers to this any more (a copy still running keeps them)."""
+
+    def __init__(self, fd: int, mapping: mmap.mmap, described: ArenaFile) -> None:
+        self.path = described.path
+        self.size_bytes = described.size_bytes
+        self.bytes = np.frombuffer(mapping, dtype=np.uint8)
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
+
+    def check_whole(self) -> None:
+        """IntegrityError if the file is shorter now than when its session began (reading the
+        mapping past its end would kill this process)."""
+        size = os.fstat(self._fd).st_size
+        if size < self.size_bytes:
+            raise IntegrityError(
+                f"the sender's arena file {self.path} is {size} bytes now, shorter than the "
+                f"{self.size_bytes} it had when the session began; its pages cannot be read")
+
+
 def map_peer_arena(arena: ArenaFile) -> PeerArena | None:
-    """A read-only view of a peer's arena, or None when it is not the file the peer
-    described on this host (then the transfer must go over the network)."""
+    """A peer's arena mapped read-only, or None when it is not the file the peer described
+    on this host (then the transfer must go over the network)."""
     if not arena.boot_id or arena.boot_id != boot_id():
         return None
     try:
@@ -80,26 +111,33 @@ def map_peer_arena(arena: ArenaFile) -> PeerArena | None:
         info = os.fstat(fd)
         if (not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (arena.device, arena.inode)
                 or info.st_size < arena.size_bytes):
+            os.close(fd)
             return None
         # Page tables filled now (MAP_POPULATE), once per session, not inside transfers.
         mapping = mmap.mmap(fd, arena.size_bytes, prot=mmap.PROT_READ,
                             flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except OSError:
-        return None
-    finally:
         os.close(fd)
-    return np.frombuffer(mapping, dtype=np.uint8)
+        return None
+    return PeerArena(fd, mapping, arena)
 
 
 def copy_chunks(src: PeerArena, dst: Arena, chunks: Sequence[Extent],
                 stop: Callable[[], bool]) -> int:
     """Copy each chunk from ``src`` (a peer's arena) into ``dst``, checking ``stop`` before
-    each one; the bytes copied. numpy copies without the GIL, so run this in a thread."""
+    each one and the source file's size before the first and then every
+    ``SIZE_CHECK_BYTES``; the bytes copied. numpy copies without the GIL, so run this in a
+    thread."""
     done = 0
+    unchecked = SIZE_CHECK_BYTES
     for c in chunks:
         if stop():
             break
-        np.copyto(dst.buffer(c.dst_offset, c.nbytes), src[c.src_offset : c.src_offset + c.nbytes])
+        if unchecked >= SIZE_CHECK_BYTES:
+            src.check_whole()
+            unchecked = 0
+        unchecked += c.nbytes
+        np.copyto(dst.buffer(c.dst_offset, c.nbytes), src.bytes[c.src_offset : c.src_offset + c.nbytes])
         done += c.nbytes
     return done
 

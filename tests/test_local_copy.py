@@ -4,12 +4,15 @@ sender's Commit."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
 import threading
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -19,6 +22,7 @@ from pool_checks import assert_moved, fill_random
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.handoff import hand_off
+from kvxfer.errors import IntegrityError
 from kvxfer.local_copy import ArenaFile, boot_id, map_peer_arena
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferState
@@ -64,14 +68,20 @@ def test_a_peer_without_local_copy_is_sent_to_over_ucx(local_pair, spawn) -> Non
         assert_moved(src, odst, PageRuns.of([(1, 4)]), PageRuns.of([(10, 4)]), before)
 
 
-def _peer_arenas_mapped(pid: int, own: str) -> list[str]:
-    """The kvxfer arena files process ``pid`` maps, other than its own ``own``."""
-    lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return sorted({line.split(None, 5)[5] for line in lines
-                   if "kvxfer-" in line and own not in line})
+def _peer_arenas_open(pid: int, own: str) -> list[str]:
+    """The kvxfer arena files in ``own``'s directory (other than ``own``) that process ``pid``
+    has open or mapped: the peer arenas it holds."""
+    shm_dir = os.path.dirname(own) + "/kvxfer-"
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            held.add(os.readlink(fd))
+    held |= {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+             if len(line.split(None, 5)) == 6}
+    return sorted(f for f in held if f.startswith(shm_dir) and own not in f)
 
 
-def test_a_senders_pool_is_unmapped_when_its_session_ends(spawn) -> None:
+def test_a_senders_pool_is_unmapped_and_closed_when_its_session_ends(spawn) -> None:
     """The receiver maps each sender's pool for the session only: once the sender is gone
     (stopped or killed) nothing keeps its unlinked file, and its memory, alive."""
     dec = spawn("unmap-d", [SMALL], extra_args=[*LOCAL, "--heartbeat-s", "0.5"])
@@ -83,12 +93,12 @@ def test_a_senders_pool_is_unmapped_when_its_session_ends(spawn) -> None:
                 done = hand_off(p, d, f"unmap-{how}", pool="kv", src=PageRuns.of([(0, 2)]),
                                 dst=PageRuns.of([(0, 2)]), decode_peer=dec.peer_address)
                 assert done.ok and done.received.lanes == 0
-                assert len(_peer_arenas_mapped(dec.pid, own)) == 1
+                assert len(_peer_arenas_open(dec.pid, own)) == 1
             pre.stop() if how == "stopped" else pre.kill()
             deadline = time.monotonic() + 10  # the session ends within the liveness limit
-            while _peer_arenas_mapped(dec.pid, own) and time.monotonic() < deadline:
+            while _peer_arenas_open(dec.pid, own) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert _peer_arenas_mapped(dec.pid, own) == [], how
+            assert _peer_arenas_open(dec.pid, own) == [], how
 
 
 class _FileSender:
@@ -157,15 +167,27 @@ def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp
             path.unlink()
 
 
+def _open_read_only(path: Path) -> bool:
+    """Whether this process has ``path`` open, and only for reading."""
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(fd) == str(path):
+                return fcntl.fcntl(int(fd.name), fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    return False
+
+
 def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_path) -> None:
     path = tmp_path / "arena"
     path.write_bytes(bytes(range(256)) * 64)
     info = path.stat()
     real = ArenaFile(str(path), info.st_size, boot_id(), info.st_dev, info.st_ino)
-    view = map_peer_arena(real)
-    assert view is not None and bytes(view[:4]) == b"\x00\x01\x02\x03"
+    arena = map_peer_arena(real)
+    assert arena is not None and _open_read_only(path)
+    assert bytes(arena.bytes[254:258]) == b"\xfe\xff\x00\x01"
     with pytest.raises(ValueError, match="read-only"):
-        view[0] = 1
+        arena.bytes[0] = 1
+    del arena  # nothing refers to it: its file is closed
+    assert not _open_read_only(path)
     other = tmp_path / "other"
     other.write_bytes(path.read_bytes())
     link = tmp_path / "link"
@@ -179,6 +201,48 @@ def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_pat
                   ArenaFile(str(tmp_path / "missing"), info.st_size, boot_id(), info.st_dev,
                             info.st_ino)):
         assert map_peer_arena(wrong) is None, wrong
+    assert not _open_read_only(path) and not _open_read_only(other)
+
+
+def test_a_shortened_file_is_not_read_past_its_end(tmp_path) -> None:
+    """Reading a mapping past its file's end would kill the process (SIGBUS): a copy checks
+    the size first, and its error names the file and both sizes."""
+    path = tmp_path / "arena"
+    path.write_bytes(b"\x07" * 8192)
+    info = path.stat()
+    arena = map_peer_arena(ArenaFile(str(path), 8192, boot_id(), info.st_dev, info.st_ino))
+    assert arena is not None
+    arena.check_whole()
+    os.truncate(path, 5000)
+    with pytest.raises(IntegrityError, match=r"arena is 5000 bytes now, shorter than the 8192"):
+        arena.check_whole()
+
+
+def test_a_senders_file_shortened_mid_session_fails_the_transfer_not_the_receiver(
+        spawn, peer_channel) -> None:
+    """Someone shortens a sending daemon's pool file after the handshake: the receiver's copy
+    fails the transfer with DATA_LOSS and the receiver keeps serving (reading its mapping
+    past the new end would have killed it with SIGBUS)."""
+    dec = spawn("decode-short", [SMALL], extra_args=LOCAL)
+    with KvxferClient(dec.worker_address) as d:
+        descriptor, memory = d.describe("kv")
+        path = Path("/dev/shm") / f"kvxfer-test-short-sender-{os.getpid()}"
+        path.write_bytes(b"\x01" * memory.size_bytes)
+        sender = _FileSender(dec, peer_channel(dec.peer_address), descriptor_to_proto(descriptor),
+                             path)
+        try:
+            os.truncate(path, memory.size_bytes // 2)
+            d.expect("shortened", "kv", PageRuns.of([(60, 2)]), timeout_s=20)
+            with pytest.raises(grpc.RpcError) as refused:
+                sender.claim("shortened", PageRuns.of([(62, 2)]))  # past the new end
+            assert refused.value.code() == grpc.StatusCode.DATA_LOSS
+            assert str(path) in str(refused.value.details()), refused.value.details()
+            got = d.wait("shortened", timeout_s=5)
+            assert got.state == TransferState.FAILED and str(path) in got.error, got
+            assert dec.process.poll() is None and d.health() == "SERVING"
+        finally:
+            sender.close()
+            path.unlink()
 
 
 BIG = "name=kv,preset=llama8b,num_pages=600"  # 1.2 GiB: a 1 GiB copy takes ~70 ms here
@@ -219,9 +283,9 @@ def test_a_copy_cut_short_never_ends_done_and_the_receiver_keeps_serving(spawn, 
         if fault == "sender killed":  # its pool is unmapped here, the failed copy included
             own = d.describe("kv")[1].shm.path
             deadline = time.monotonic() + 10
-            while _peer_arenas_mapped(dec.pid, own) and time.monotonic() < deadline:
+            while _peer_arenas_open(dec.pid, own) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert _peer_arenas_mapped(dec.pid, own) == []
+            assert _peer_arenas_open(dec.pid, own) == []
         else:
             assert got.state == TransferState.ABORTED and "gave up" in got.error
             assert p.wait("cut", timeout_s=5).state in (TransferState.ABORTED,
