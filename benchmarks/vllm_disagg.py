@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,18 +49,9 @@ def ms(values: list[float]) -> float:
     return round(statistics.median(values) * 1e3, 2)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over every prompt (default 3)")
-    parser.add_argument("--lengths", default="32,128,512,1000",
-                        help="prompt lengths in tokens, comma-separated (default 32,128,512,1000)")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated (default 16)")
-    parser.add_argument("--model", help="a model directory (default: build the tiny test model)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args()
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Run both deployments side by side in ``workdir`` and gather the figures."""
     lengths = [int(n) for n in args.lengths.split(",")]
-    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-bench-"))
     model = args.model or str(build(str(workdir / "model")))
     times: dict[str, dict[int, dict[str, list[float]]]] = {
         kind: {n: {"ttft": [], "total": []} for n in lengths} for kind in ("single", "disaggregated")}
@@ -94,20 +86,41 @@ def main() -> int:
                             "daemon_transfer_ms": round(s["daemon_s"] * 1e3, 2),
                             "copy_out_ms": round(out.get("copy_s", 0.0) * 1e3, 3),
                             "copy_in_ms": round(s["copy_s"] * 1e3, 3)})
-    result: dict[str, Any] = {"model": model, "rounds": args.rounds, "new_tokens": args.new_tokens,
-                              "by_prompt_tokens": {}, "requests": per_request}
+    result: dict[str, Any] = {"model": args.model or "the tiny test model", "rounds": args.rounds,
+                              "new_tokens": args.new_tokens, "by_prompt_tokens": {},
+                              "requests": per_request}
     for n in lengths:
-        single, disagg = times["single"][n], times["disaggregated"][n]
+        one, split = times["single"][n], times["disaggregated"][n]
         result["by_prompt_tokens"][n] = {
-            "single_ttft_ms": ms(single["ttft"]), "disaggregated_ttft_ms": ms(disagg["ttft"]),
-            "single_total_ms": ms(single["total"]), "disaggregated_total_ms": ms(disagg["total"]),
-            "ttft_ratio": round(statistics.median(disagg["ttft"]) / statistics.median(single["ttft"]), 2),
-            "total_ratio": round(statistics.median(disagg["total"]) / statistics.median(single["total"]), 2),
+            "single_ttft_ms": ms(one["ttft"]), "disaggregated_ttft_ms": ms(split["ttft"]),
+            "single_total_ms": ms(one["total"]), "disaggregated_total_ms": ms(split["total"]),
+            "ttft_ratio": round(statistics.median(split["ttft"]) / statistics.median(one["ttft"]), 2),
+            "total_ratio": round(statistics.median(split["total"]) / statistics.median(one["total"]), 2),
         }
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every prompt (default 3)")
+    parser.add_argument("--lengths", default="32,128,512,1000",
+                        help="prompt lengths in tokens, comma-separated (default 32,128,512,1000)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated (default 16)")
+    parser.add_argument("--model", help="a model directory (default: build the tiny test model)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="kvxfer-vllm-bench-"))
+    try:
+        result = measure(args, workdir)
+    except BaseException:
+        print(f"the engines' logs are kept in {workdir}", file=sys.stderr)
+        raise
+    shutil.rmtree(workdir)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"model {model}, {args.rounds} rounds, {args.new_tokens} new tokens; medians in ms")
+    print(f"model {result['model']}, {args.rounds} rounds, {args.new_tokens} new tokens; medians in ms")
     print(f"{'prompt tokens':>13} {'TTFT single':>12} {'TTFT disagg':>12} {'ratio':>6} "
           f"{'total single':>13} {'total disagg':>13} {'ratio':>6}")
     for n, row in result["by_prompt_tokens"].items():
@@ -116,7 +129,7 @@ def main() -> int:
               f"{row['disaggregated_total_ms']:>13} {row['total_ratio']:>6}")
     print(f"\n{'request':>44} {'pages':>5} {'bytes':>9} {'transfer':>9} {'daemon':>7} "
           f"{'copy-out':>9} {'copy-in':>8}")
-    for x in per_request:
+    for x in result["requests"]:
         print(f"{x['request'][-44:]:>44} {x['pages']:>5} {x['bytes']:>9} {x['transfer_ms']:>9} "
               f"{x['daemon_transfer_ms']:>7} {x['copy_out_ms']:>9} {x['copy_in_ms']:>8}")
     return 0

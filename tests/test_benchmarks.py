@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,8 +72,11 @@ def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
         if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
             pytest.fail(message)
         pytest.skip(message)
+    workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*"))
     got = run_benchmark("vllm_disagg.py", "--rounds", "1", "--lengths", "32,96", "--new-tokens", "4",
                         "--json", timeout=500, python=str(VLLM_PYTHON))
+    assert set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*")) == workdirs, \
+        "the benchmark left its work directory behind"
     for row in got["by_prompt_tokens"].values():
         assert row["single_ttft_ms"] > 0 and row["disaggregated_total_ms"] > 0
     assert [r["pages"] for r in got["requests"]] == [1, 3]
