@@ -11,11 +11,11 @@ ended transfer can touch pages already handed to another.
 
 A mapped file that someone shortens kills the process that reads past its new end
 (SIGBUS). The receiver keeps the file open beside its mapping and checks its size
-before a copy's first chunk and then every few MiB, so a file shortened before
-that fails the transfer (IntegrityError) instead; only one shortened while the
-copy is between two checks (~0.3 ms here) still does. Reading with ``preadv`` instead would close that window, at a
-third of the copy's speed here (5.2 against 9.2 GB/s on one core, 10.0 against
-15.3 on two).
+before a copy's first chunk and then every few MiB, so a file shortened before that
+fails the transfer (IntegrityError) instead; only one shortened while the copy is
+between two checks (~0.3 ms here) still does. Reading with ``preadv`` instead would
+close that window, at a third of the copy's speed here (5.2 against 9.2 GB/s on one
+core, 10.0 against 15.3 on two).
 
 Whether a peer's file is really the one it described is checked, not assumed: the
 same boot of the same kernel (``/proc/sys/kernel/random/boot_id``) and the same
