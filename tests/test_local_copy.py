@@ -23,8 +23,9 @@ from pool_checks import assert_moved, fill_random
 from kvxfer.client import KvxferClient
 from kvxfer.client.handoff import hand_off
 from kvxfer.errors import IntegrityError
-from kvxfer.local_copy import ArenaFile, boot_id, map_peer_arena
-from kvxfer.pages import PageRuns
+from kvxfer.local_copy import SIZE_CHECK_BYTES, ArenaFile, boot_id, copy_chunks, map_peer_arena
+from kvxfer.memory import SHM_PREFIX, create_arena
+from kvxfer.pages import Extent, PageRuns
 from kvxfer.status import TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -68,17 +69,23 @@ def test_a_peer_without_local_copy_is_sent_to_over_ucx(local_pair, spawn) -> Non
         assert_moved(src, odst, PageRuns.of([(1, 4)]), PageRuns.of([(10, 4)]), before)
 
 
+def _open_files(pid: int | str) -> dict[str, int]:
+    """The files process ``pid`` has open, with one descriptor of each."""
+    files = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            files[os.readlink(fd)] = int(fd.name)
+    return files
+
+
 def _peer_arenas_open(pid: int, own: str) -> list[str]:
     """The kvxfer arena files in ``own``'s directory (other than ``own``) that process ``pid``
     has open or mapped: the peer arenas it holds."""
-    shm_dir = os.path.dirname(own) + "/kvxfer-"
-    held = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
-            held.add(os.readlink(fd))
+    prefix = os.path.join(os.path.dirname(own), SHM_PREFIX)
+    held = set(_open_files(pid))
     held |= {line.split(None, 5)[5] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
              if len(line.split(None, 5)) == 6}
-    return sorted(f for f in held if f.startswith(shm_dir) and own not in f)
+    return sorted(f for f in held if f.startswith(prefix) and own not in f)
 
 
 def test_a_senders_pool_is_unmapped_and_closed_when_its_session_ends(spawn) -> None:
@@ -169,11 +176,8 @@ def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp
 
 def _open_read_only(path: Path) -> bool:
     """Whether this process has ``path`` open, and only for reading."""
-    for fd in Path("/proc/self/fd").iterdir():
-        with contextlib.suppress(FileNotFoundError):
-            if os.readlink(fd) == str(path):
-                return fcntl.fcntl(int(fd.name), fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-    return False
+    fd = _open_files("self").get(str(path))
+    return fd is not None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
 
 
 def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_path) -> None:
@@ -204,18 +208,35 @@ def test_only_the_file_the_peer_described_is_mapped_and_only_for_reading(tmp_pat
     assert not _open_read_only(path) and not _open_read_only(other)
 
 
-def test_a_shortened_file_is_not_read_past_its_end(tmp_path) -> None:
+def test_a_file_shortened_during_a_copy_is_not_read_past_its_end(tmp_path) -> None:
     """Reading a mapping past its file's end would kill the process (SIGBUS): a copy checks
-    the size first, and its error names the file and both sizes."""
+    the size again every SIZE_CHECK_BYTES, and its error names the file and both sizes.
+    The file is cut to half between the copy's first and second chunk (from ``stop``)."""
+    size = 4 * SIZE_CHECK_BYTES
     path = tmp_path / "arena"
-    path.write_bytes(b"\x07" * 8192)
+    path.write_bytes(b"\x07" * size)
     info = path.stat()
-    arena = map_peer_arena(ArenaFile(str(path), 8192, boot_id(), info.st_dev, info.st_ino))
-    assert arena is not None
-    arena.check_whole()
-    os.truncate(path, 5000)
-    with pytest.raises(IntegrityError, match=r"arena is 5000 bytes now, shorter than the 8192"):
-        arena.check_whole()
+    src = map_peer_arena(ArenaFile(str(path), size, boot_id(), info.st_dev, info.st_ino))
+    assert src is not None
+    dst = create_arena("short-dst", size, "cpu")
+    try:
+        chunks = [Extent(i * SIZE_CHECK_BYTES, i * SIZE_CHECK_BYTES, SIZE_CHECK_BYTES)
+                  for i in range(4)]
+        checks = []
+
+        def cut_after_the_first_chunk() -> bool:
+            checks.append(1)
+            if len(checks) == 2:
+                os.truncate(path, size // 2 - 1)  # chunk 2 now reaches past the end
+            return False
+
+        with pytest.raises(IntegrityError, match=rf"arena is {size // 2 - 1} bytes now, "
+                                                 rf"shorter than the {size}"):
+            copy_chunks(src, dst, chunks, cut_after_the_first_chunk)
+        assert len(checks) == 2 and (dst.raw[:SIZE_CHECK_BYTES] == 7).all()
+        assert (dst.raw[SIZE_CHECK_BYTES:] == 0).all()  # nothing after the check was copied
+    finally:
+        dst.close()
 
 
 def test_a_senders_file_shortened_mid_session_fails_the_transfer_not_the_receiver(
