@@ -46,12 +46,16 @@ from kvxfer.wire.status import from_rpc_error
 T = TypeVar("T")
 
 
-def _lease(lease_id: str, release_lease: bool) -> pb.LeaseUse:
-    return pb.LeaseUse(lease_id=lease_id, release_lease=release_lease)
+def _lease(lease_id: str, release_lease: bool, arena_epoch: str) -> pb.LeaseUse:
+    return pb.LeaseUse(lease_id=lease_id, release_lease=release_lease, arena_epoch=arena_epoch)
 
 
 class AttachedPool:
-    """A pool of the daemon mapped into this process, with its per-layer views."""
+    """A pool of the daemon mapped into this process, with its per-layer views.
+
+    ``epoch`` is the memory epoch of the mapping: pass it as ``arena_epoch`` with the
+    transfer verbs whose pages were written (or will be read) through it, and a daemon
+    that restarted since refuses them (StaleArenaError) instead of moving other memory."""
 
     __slots__ = ("descriptor", "memory", "views", "_mapping")
 
@@ -67,6 +71,11 @@ class AttachedPool:
         if self._mapping is None:
             raise RuntimeError("pool is detached")
         return self._mapping.raw
+
+    @property
+    def epoch(self) -> str:
+        """The memory epoch of the daemon whose arena this maps."""
+        return self.memory.epoch
 
     def page_bytes_view(self, page: int) -> Any:
         """One page as a uint8 tensor over the shared memory."""
@@ -173,49 +182,50 @@ class KvxferClient:
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns,
                timeout_s: float = 0.0, *, lease_id: str = "",
                release_lease: bool = False, peer_identity: str = "",
-               wait: bool = False) -> TransferInfo:
+               arena_epoch: str = "", wait: bool = False) -> TransferInfo:
         """Register destination pages for ``transfer_id`` (decode side). With ``lease_id``
         the pages must be the lease's, and ``release_lease`` ends the lease with the transfer;
         with ``peer_identity`` only the peer with that certificate name may fill them. With
         ``wait`` the answer comes when the transfer is final (see ``_verb``)."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                               lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                               lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
                                wait=wait)
         return self._verb(self._stub.Expect, req, timeout_s, wait)
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
              timeout_s: float = 0.0, verify: bool = False, *, lease_id: str = "",
-             release_lease: bool = False, wait: bool = False) -> TransferInfo:
+             release_lease: bool = False, arena_epoch: str = "",
+             wait: bool = False) -> TransferInfo:
         """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side); with ``wait``,
         answer when the transfer is final."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                              peer=peer, timeout_s=timeout_s, verify=verify,
-                             lease=_lease(lease_id, release_lease), wait=wait)
+                             lease=_lease(lease_id, release_lease, arena_epoch), wait=wait)
         return self._verb(self._stub.Push, req, timeout_s, wait)
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
               verify: bool = False, *, lease_id: str = "",
               release_lease: bool = False, peer_identity: str = "",
-              wait: bool = False) -> TransferInfo:
+              arena_epoch: str = "", wait: bool = False) -> TransferInfo:
         """Make ``src_runs`` available for a peer's pull (prefill side); with
         ``peer_identity``, for that peer's only; with ``wait``, answer when it is final."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify,
-                              lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                              lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
                               wait=wait)
         return self._verb(self._stub.Offer, req, timeout_s, wait)
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float = 0.0, *, lease_id: str = "",
              release_lease: bool = False, peer_identity: str = "",
-             wait: bool = False) -> TransferInfo:
+             arena_epoch: str = "", wait: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side); with
         ``peer_identity`` (that daemon's certificate name) no other peer may fill it; with
         ``wait``, answer when it is final."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                             lease=_lease(lease_id, release_lease), peer_identity=peer_identity,
+                             lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
                              wait=wait)
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
@@ -241,7 +251,7 @@ class KvxferClient:
                            pb.CompletionsRequest(after=after, timeout_s=timeout_s),
                            timeout=timeout_s + self.timeout_s)
         return Completions([info_from_proto(t) for t in reply.transfers], reply.cursor,
-                           reply.missed)
+                           reply.missed, reply.epoch)
 
     # -- page leases ----------------------------------------------------------------------
 
@@ -273,6 +283,10 @@ class KvxferClient:
     def peer_address(self) -> str:
         """Where this daemon serves its peers (what a decode daemon's ``pull`` names)."""
         return self._call(self._stub.Info, pb.DaemonInfoRequest()).peer_address
+
+    def epoch(self) -> str:
+        """The daemon's memory epoch: it changes when the daemon restarts (see ``AttachedPool``)."""
+        return self._call(self._stub.Info, pb.DaemonInfoRequest()).epoch
 
     def close(self) -> None:
         """Close the channel."""

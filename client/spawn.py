@@ -98,6 +98,14 @@ class LocalDaemon:
         self.metrics_port = self.ready_info["metrics_port"]
         return self
 
+    def restart(self, timeout_s: float = 60.0) -> LocalDaemon:
+        """SIGKILL the daemon and start it again on the same worker socket and peer address,
+        as a crashed sidecar container is restarted: its pools are new memory."""
+        self.kill()
+        where = self.args.index("--peer-address") + 1
+        self.args[where] = self.peer_address
+        return self.start(timeout_s)
+
     def log(self) -> str:
         """What the daemon printed so far."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

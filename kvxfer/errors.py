@@ -48,6 +48,11 @@ class AttachError(KvxferError, code="FAILED_PRECONDITION", reason="ATTACH_FAILED
     """A worker could not map the daemon's pool memory."""
 
 
+class StaleArenaError(KvxferError, code="FAILED_PRECONDITION", reason="STALE_ARENA"):
+    """The caller's mapping is of an earlier daemon's memory (the daemon restarted since it
+    attached): re-attach, and redo what was written through the old mapping."""
+
+
 class PoolNotFoundError(KvxferError, LookupError, code="NOT_FOUND", reason="POOL_NOT_FOUND"):
     """No pool of that name is served here."""
 
@@ -105,7 +110,7 @@ ERROR_TYPES: dict[str, type[KvxferError]] = {
     cls.reason: cls
     for cls in (
         InternalError, InvalidSpecError, InvalidRangeError, PageOutOfRangeError,
-        IncompatibleLayoutError, AttachError, PoolNotFoundError, TransferNotFoundError,
+        IncompatibleLayoutError, AttachError, StaleArenaError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
         IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,
         PeerNotAllowedError, LimitExceededError,

@@ -15,6 +15,7 @@ advertises and gets a tensor over the very same bytes (zero copy).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import mmap
 import os
@@ -50,13 +51,17 @@ class CudaIpcHandle:
 
 @dataclass(frozen=True)
 class MemoryHandle:
-    """How another process on this node attaches to an arena (exactly one of shm, cuda)."""
+    """How another process on this node attaches to an arena (exactly one of shm, cuda).
+
+    ``epoch`` is the memory epoch of the daemon that created it (random, minted at each
+    start): a mapping is current only while it equals the daemon's epoch."""
 
     arena: str
     device: str
     size_bytes: int
     shm: SharedMemoryHandle | None = None
     cuda: CudaIpcHandle | None = None
+    epoch: str = ""
 
     @property
     def kind(self) -> str:
@@ -109,17 +114,20 @@ class Arena:
 
 
 def create_arena(name: str, size_bytes: int, device: str, shm_dir: str = "/dev/shm",
-                 group: int | None = None) -> Arena:
-    """Allocate a zeroed buffer of ``size_bytes`` on ``device`` ("cpu" or "cuda:N"). A CPU
-    buffer's file is the owner's only (mode 0600), or with ``group`` (a gid) that group's
-    too (0660)."""
+                 group: int | None = None, epoch: str = "") -> Arena:
+    """Allocate a zeroed buffer of ``size_bytes`` on ``device`` ("cpu" or "cuda:N"), its
+    handle marked with the memory ``epoch``. A CPU buffer's file is the owner's only (mode
+    0600), or with ``group`` (a gid) that group's too (0660)."""
     if size_bytes <= 0:
         raise InvalidSpecError(f"arena {name!r} size_bytes={size_bytes} must be positive")
     if device == "cpu":
-        return _create_shm(name, size_bytes, shm_dir, group)
-    if device.startswith("cuda"):
-        return _create_cuda(name, size_bytes, device)
-    raise InvalidSpecError(f"device={device!r} is not supported; expected 'cpu' or 'cuda:N'")
+        arena = _create_shm(name, size_bytes, shm_dir, group)
+    elif device.startswith("cuda"):
+        arena = _create_cuda(name, size_bytes, device)
+    else:
+        raise InvalidSpecError(f"device={device!r} is not supported; expected 'cpu' or 'cuda:N'")
+    arena.handle = dataclasses.replace(arena.handle, epoch=epoch)
+    return arena
 
 
 SHM_PREFIX = "kvxfer-"

@@ -98,6 +98,7 @@ class LeaseInfo:
     runs: PageRuns
     expires_in_s: float
     holder: str
+    arena_epoch: str = ""
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,11 @@ class Completions:
 
     ``missed`` says some ended after the old cursor but the daemon no longer keeps them
     (or it restarted): the caller should ``wait`` for the transfers it still tracks.
+    ``epoch`` is the daemon's memory epoch: when it changes, the daemon restarted and every
+    transfer the caller tracks there is gone.
     """
 
     transfers: list[TransferInfo]
     cursor: int
     missed: bool
+    epoch: str = ""

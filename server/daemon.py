@@ -198,7 +198,8 @@ class Daemon:
                             peer_address=advertise, chunk_bytes=config.chunk_bytes)
         self.transfers = TransferCoordinator(registry, leases, sender, receiver, self._clients,
                                              self.sessions, peer_address=advertise,
-                                             authenticated_peers=self._tls is not None)
+                                             authenticated_peers=self._tls is not None,
+                                             epoch=self.pools.epoch)
         self.transfers.start()
         sessions = self.sessions
         self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,9 @@ class PoolRegistry:
 
     def __init__(self, arenas: tuple[ArenaConfig, ...], shm_dir: str = "/dev/shm",
                  group: int | None = None) -> None:
+        #: This start's memory epoch, on every arena's handle: workers that mapped an
+        #: earlier daemon's arenas are told apart from those that mapped these.
+        self.epoch = secrets.token_hex(16)
         self._arenas: list[Arena] = []
         self._pools: dict[str, Pool] = {}
         if any(cfg.device == "cpu" for cfg in arenas) and Path(shm_dir).is_dir():
@@ -53,7 +57,7 @@ class PoolRegistry:
         try:
             for cfg in arenas:
                 layouts, size = pack_arena([p.spec for p in cfg.pools])
-                arena = create_arena(cfg.name, size, cfg.device, shm_dir, group)
+                arena = create_arena(cfg.name, size, cfg.device, shm_dir, group, self.epoch)
                 self._arenas.append(arena)
                 for pool_cfg, layout in zip(cfg.pools, layouts):
                     desc = PoolDescriptor(pool_cfg.name, layout)

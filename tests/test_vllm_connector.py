@@ -19,7 +19,7 @@ import torch
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool, pool_flag
-from kvxfer.client.integrations.vllm.protocol import RemotePrefill
+from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.worker import WorkerSide
@@ -90,8 +90,9 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_p.wait_for_save()
         params = sched_p.request_finished(req)
         assert params is not None and params["do_remote_prefill"] is True
-        remote = RemotePrefill.from_params(params)
-        assert remote is not None and remote.num_tokens == 70 and remote.peer == pre.peer_address
+        remote = parse_remote_prefill(params, LAYOUT)
+        assert isinstance(remote, RemotePrefill) and remote.peer == pre.peer_address
+        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 1
 
         # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
         dreq = Request("d1", 70, params)
@@ -111,26 +112,16 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_d.shutdown()
 
 
-def test_a_layout_that_differs_is_refused_naming_every_difference(pair) -> None:
-    _, dec = pair
+def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:
     theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "vllm_version": "0.31.0"})
-    params = RemotePrefill("P/x", "127.0.0.1:1", 40, theirs).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+    params = RemotePrefill("P/x", "127.0.0.1:1", theirs).to_params()
+    sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
     req = Request("x", 40, params)
-    assert sched.get_num_new_matched_tokens(req, 0) == (40, True)
-    sched.update_state_after_alloc(req, [4, 6], 40)
-    plan = sched.build_plan({}, lambda _: [])
-    refused = plan.loads[0].refused
-    assert "block_size: ours 32, theirs 16" in refused and "vllm_version: ours '0.32.0'" in refused
-    worker = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
-    worker.register_kv_caches(kv_caches(3))
-    worker.bind(plan)
-    worker.start_load_kv()
-    assert worker.get_finished() == {"x"} and worker.take_load_errors() == {4, 6}
-    with KvxferClient(dec.worker_address) as d:
-        assert d.transfers() == []  # nothing was asked of the daemon
-    worker.shutdown()
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here, nothing loaded
+    assert sched.refusals == {"layout": 1}
+    assert "block_size: ours 32, theirs 16" in caplog.text and "vllm_version: ours '0.32.0'" in caplog.text
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False) and sched.refusals == {"layout": 1}
 
 
 @dataclass
@@ -149,7 +140,7 @@ class PendingLoad:
 
 def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
     """Start loading a 64-token prompt into blocks 8 and 9 that nobody will ever send."""
-    params = RemotePrefill("P/never-offered", pre.peer_address, 64, LAYOUT).to_params()
+    params = RemotePrefill("P/never-offered", pre.peer_address, LAYOUT).to_params()
     sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
     worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
@@ -163,7 +154,9 @@ def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
     return PendingLoad(sched, worker, request, kv, {k: v.clone() for k, v in kv.items()})
 
 
-def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_untouched(pair) -> None:
+def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_untouched(pair) -> None:
+    """vLLM frees the blocks of a request that ended while waiting for its KV only once the
+    connector reports its load finished: the cancelled load is reported, exactly once."""
     pre, dec = pair
     load = pending_load(pre, dec, "gone")
     assert load.worker.get_finished() == set()
@@ -174,6 +167,7 @@ def test_a_request_that_ends_while_loading_is_cancelled_and_its_blocks_stay_unto
         [info] = d.transfers()
         assert info.state.name == "ABORTED" and "its request ended" in info.error
         assert d.leased_pages() == {"kv": 0}
+    assert load.worker.get_finished() == {"gone"} and load.worker.take_load_errors() == set()
     assert load.worker.get_finished() == set()
     assert load.untouched()
     load.worker.shutdown()

@@ -445,10 +445,15 @@ class MemoryHandle(_message.Message):
     SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SHM_FIELD_NUMBER: _builtins.int
     CUDA_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     arena: _builtins.str
     device: _builtins.str
     """"cpu" or "cuda:N" """
     size_bytes: _builtins.int
+    epoch: _builtins.str
+    """The daemon's memory epoch: random, minted at each daemon start, the same on every arena
+    it created. A worker's mapping is current only while it equals the daemon's epoch.
+    """
     @_builtins.property
     def shm(self) -> Global___SharedMemory: ...
     @_builtins.property
@@ -461,10 +466,11 @@ class MemoryHandle(_message.Message):
         size_bytes: _builtins.int = ...,
         shm: Global___SharedMemory | None = ...,
         cuda: Global___CudaIpc | None = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cuda", b"cuda", "kind", b"kind", "shm", b"shm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "cuda", b"cuda", "device", b"device", "kind", b"kind", "shm", b"shm", "size_bytes", b"size_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena", b"arena", "cuda", b"cuda", "device", b"device", "epoch", b"epoch", "kind", b"kind", "shm", b"shm", "size_bytes", b"size_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["shm", "cuda"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
@@ -686,23 +692,28 @@ class LeaseUse(_message.Message):
     """Every transfer verb may name a lease (see Allocate): its runs must then lie in the
     lease's pages, the transfer fails if the lease ends first, and with release_lease
     the daemon releases the lease when the transfer ends, however it ends.
+    arena_epoch: the epoch of the mapping the caller wrote the pages through (or will read
+    them through); a daemon started since refuses with FAILED_PRECONDITION (STALE_ARENA).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_ID_FIELD_NUMBER: _builtins.int
     RELEASE_LEASE_FIELD_NUMBER: _builtins.int
+    ARENA_EPOCH_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     release_lease: _builtins.bool
+    arena_epoch: _builtins.str
     def __init__(
         self,
         *,
         lease_id: _builtins.str = ...,
         release_lease: _builtins.bool = ...,
+        arena_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "release_lease", b"release_lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_epoch", b"arena_epoch", "lease_id", b"lease_id", "release_lease", b"release_lease"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -997,10 +1008,13 @@ class CompletionsResponse(_message.Message):
     TRANSFERS_FIELD_NUMBER: _builtins.int
     CURSOR_FIELD_NUMBER: _builtins.int
     MISSED_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     cursor: _builtins.int
     """pass as `after` next time"""
     missed: _builtins.bool
     """some ended after `after` but are no longer retained"""
+    epoch: _builtins.str
+    """the daemon's memory epoch (a change: it restarted)"""
     @_builtins.property
     def transfers(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferStatus]:
         """final states, in the order the transfers ended"""
@@ -1011,10 +1025,11 @@ class CompletionsResponse(_message.Message):
         transfers: _abc.Iterable[Global___TransferStatus] | None = ...,
         cursor: _builtins.int = ...,
         missed: _builtins.bool = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "missed", b"missed", "transfers", b"transfers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "epoch", b"epoch", "missed", b"missed", "transfers", b"transfers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1066,10 +1081,13 @@ class Lease(_message.Message):
     RUNS_FIELD_NUMBER: _builtins.int
     EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
+    ARENA_EPOCH_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     pool: _builtins.str
     expires_in_s: _builtins.float
     holder: _builtins.str
+    arena_epoch: _builtins.str
+    """the memory epoch of the pool's arena (see MemoryHandle)"""
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
@@ -1080,10 +1098,11 @@ class Lease(_message.Message):
         runs: _abc.Iterable[Global___PageRun] | None = ...,
         expires_in_s: _builtins.float = ...,
         holder: _builtins.str = ...,
+        arena_epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_s", b"expires_in_s", "holder", b"holder", "lease_id", b"lease_id", "pool", b"pool", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_epoch", b"arena_epoch", "expires_in_s", b"expires_in_s", "holder", b"holder", "lease_id", b"lease_id", "pool", b"pool", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1202,18 +1221,22 @@ class DaemonInfo(_message.Message):
 
     VERSION_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     peer_address: _builtins.str
     """what peers dial: the address to put in a pull's `peer`"""
+    epoch: _builtins.str
+    """the daemon's memory epoch (see MemoryHandle)"""
     def __init__(
         self,
         *,
         version: _builtins.str = ...,
         peer_address: _builtins.str = ...,
+        epoch: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peer_address", b"peer_address", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "peer_address", b"peer_address", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

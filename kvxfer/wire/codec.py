@@ -150,7 +150,8 @@ def _view_from_proto(msg: pb.ViewSpec) -> ViewSpec:
 
 def memory_to_proto(handle: MemoryHandle) -> pb.MemoryHandle:
     """An arena's attach handle as a protobuf message."""
-    msg = pb.MemoryHandle(arena=handle.arena, device=handle.device, size_bytes=handle.size_bytes)
+    msg = pb.MemoryHandle(arena=handle.arena, device=handle.device, size_bytes=handle.size_bytes,
+                          epoch=handle.epoch)
     if handle.shm is not None:
         msg.shm.path = handle.shm.path
     if handle.cuda is not None:
@@ -175,23 +176,24 @@ def memory_from_proto(msg: pb.MemoryHandle) -> MemoryHandle:
         cuda = CudaIpcHandle(c.device, c.storage_handle, c.storage_offset_bytes,
                              c.ref_counter_handle, c.ref_counter_offset, c.event_handle,
                              c.event_sync_required)
-    return MemoryHandle(msg.arena, msg.device, msg.size_bytes, shm=shm, cuda=cuda)
+    return MemoryHandle(msg.arena, msg.device, msg.size_bytes, shm=shm, cuda=cuda,
+                        epoch=msg.epoch)
 
 
 # -- page leases --------------------------------------------------------------------------
 
 
-def lease_to_proto(lease_id: str, pool: str, runs: PageRuns, expires_in_s: float,
-                   holder: str) -> pb.Lease:
+def lease_to_proto(lease: LeaseInfo) -> pb.Lease:
     """A page lease as its message."""
-    return pb.Lease(lease_id=lease_id, pool=pool, runs=runs_to_proto(runs),
-                    expires_in_s=expires_in_s, holder=holder)
+    return pb.Lease(lease_id=lease.lease_id, pool=lease.pool, runs=runs_to_proto(lease.runs),
+                    expires_in_s=lease.expires_in_s, holder=lease.holder,
+                    arena_epoch=lease.arena_epoch)
 
 
 def lease_from_proto(msg: pb.Lease) -> LeaseInfo:
     """A lease from its message."""
     return LeaseInfo(msg.lease_id, msg.pool, runs_from_proto(msg.runs), msg.expires_in_s,
-                     msg.holder)
+                     msg.holder, msg.arena_epoch)
 
 
 # -- transfer status ---------------------------------------------------------------------

@@ -12,6 +12,7 @@ from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.server.transfers.coordinator import LeaseUse, TransferCoordinator
 from kvxfer.server.transfers.record import Transfer
+from kvxfer.status import LeaseInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
@@ -27,11 +28,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def _lease(msg: pb.LeaseUse) -> LeaseUse:
-    return LeaseUse(msg.lease_id, msg.release_lease)
-
-
-def _lease_to_proto(lease: Lease) -> pb.Lease:
-    return lease_to_proto(lease.id, lease.pool, lease.runs, lease.expires_in(), lease.holder)
+    return LeaseUse(msg.lease_id, msg.release_lease, msg.arena_epoch)
 
 
 class WorkerService(pb_grpc.KvxferServicer):
@@ -41,6 +38,10 @@ class WorkerService(pb_grpc.KvxferServicer):
         self._pools = pools
         self._transfers = transfers
         self._leases: PageLeases = transfers.leases
+
+    def _lease_to_proto(self, lease: Lease) -> pb.Lease:
+        return lease_to_proto(LeaseInfo(lease.id, lease.pool, lease.runs, lease.expires_in(),
+                                        lease.holder, self._pools.epoch))
 
     def _pool_info(self, pool: Pool) -> pb.PoolInfo:
         return pb.PoolInfo(descriptor=descriptor_to_proto(pool.descriptor),
@@ -54,7 +55,8 @@ class WorkerService(pb_grpc.KvxferServicer):
         return info_to_proto(t.info())
 
     async def Info(self, request: pb.DaemonInfoRequest, context: Context) -> pb.DaemonInfo:
-        return pb.DaemonInfo(version=kvxfer.__version__, peer_address=self._transfers.peer_address)
+        return pb.DaemonInfo(version=kvxfer.__version__, peer_address=self._transfers.peer_address,
+                             epoch=self._pools.epoch)
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Context) -> pb.ListPoolsResponse:
         return pb.ListPoolsResponse(pools=[self._pool_info(p) for p in self._pools.all()])
@@ -109,19 +111,19 @@ class WorkerService(pb_grpc.KvxferServicer):
                           context: Context) -> pb.CompletionsResponse:
         ended, cursor, missed = await self._transfers.completions(request.after, request.timeout_s)
         return pb.CompletionsResponse(transfers=[info_to_proto(i) for i in ended], cursor=cursor,
-                                      missed=missed)
+                                      missed=missed, epoch=self._pools.epoch)
 
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.Lease:
         lease = self._leases.allocate(request.pool, request.pages, request.lease_s, request.holder)
-        return _lease_to_proto(lease)
+        return self._lease_to_proto(lease)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         self._leases.release(request.lease_id)
         return pb.ReleaseResponse()
 
     async def Renew(self, request: pb.RenewRequest, context: Context) -> pb.Lease:
-        return _lease_to_proto(self._leases.renew(request.lease_id, request.lease_s))
+        return self._lease_to_proto(self._leases.renew(request.lease_id, request.lease_s))
 
     async def ListLeases(self, request: pb.ListLeasesRequest,
                          context: Context) -> pb.ListLeasesResponse:
-        return pb.ListLeasesResponse(leases=[_lease_to_proto(lease) for lease in self._leases.all()])
+        return pb.ListLeasesResponse(leases=[self._lease_to_proto(lease) for lease in self._leases.all()])

@@ -23,6 +23,7 @@ from kvxfer.errors import (
     LeaseExpiredError,
     PeerNotAllowedError,
     PeerUnavailableError,
+    StaleArenaError,
     TransferAbortedError,
     TransferDeadlineError,
 )
@@ -49,10 +50,12 @@ MAX_POLL_S = 60.0
 
 @dataclass(frozen=True)
 class LeaseUse:
-    """The lease a transfer's pages belong to (see ``kvxfer.server.leases``), if any."""
+    """The lease a transfer's pages belong to (see ``kvxfer.server.leases``), if any, and the
+    memory epoch of the mapping the caller used them through ("": not checked)."""
 
     lease_id: str = ""
     release_lease: bool = False
+    arena_epoch: str = ""
 
 
 NO_LEASE = LeaseUse()
@@ -63,7 +66,7 @@ class TransferCoordinator:
 
     def __init__(self, registry: TransferRegistry, leases: PageLeases, sender: Sender,
                  receiver: Receiver, clients: PeerClients, sessions: Sessions, *,
-                 peer_address: str, authenticated_peers: bool) -> None:
+                 peer_address: str, authenticated_peers: bool, epoch: str) -> None:
         self.registry = registry
         self.leases = leases
         self._sender = sender
@@ -72,6 +75,7 @@ class TransferCoordinator:
         self._sessions = sessions
         self.peer_address = peer_address
         self._authenticated_peers = authenticated_peers
+        self._epoch = epoch
         self._background: set[asyncio.Task[None]] = set()
         self._lease_watch: asyncio.Task[None] | None = None
 
@@ -178,6 +182,11 @@ class TransferCoordinator:
                 f"peer_identity={peer_identity!r} names a certificate, but this daemon's peer "
                 "API has no mutual TLS (--peer-tls-cert/--peer-tls-key/--peer-tls-ca)")
         check_text("peer_identity", peer_identity)
+        if lease.arena_epoch and lease.arena_epoch != self._epoch:
+            raise StaleArenaError(
+                f"transfer {transfer_id!r} names pages through a mapping of memory epoch "
+                f"{lease.arena_epoch[:12]}, but this daemon restarted since: its epoch is "
+                f"{self._epoch[:12]}; re-attach to pool {pool!r} and write or read them again")
         t = self.registry.register(transfer_id, role, pool, runs, timeout_s, verify=verify,
                                    peer=peer, disjoint=disjoint, lease_id=lease.lease_id,
                                    release_lease=lease.release_lease,

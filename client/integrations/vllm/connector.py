@@ -12,12 +12,23 @@ heads, so a page holds one rank's block, the scheduler leases pages per rank,
 and each rank moves its own transfer (``{engine}/{request}/tp{rank}``); vLLM
 counts a load finished once every rank reported it. Both engines must have the
 same TP size (it is part of the block layout).
+
+Failure contract (``docs/trust.md``): no request may crash an engine. Every
+entry point vLLM calls during serving runs under ``_guarded``: an exception is
+logged with its traceback, counted in ``failures``, and answered with what
+leaves the request correct: no external tokens, no save, or a failed load whose
+blocks vLLM recomputes (or fails, with ``kv_load_failure_policy: fail``).
+Only start-up (``__init__``, ``register_kv_caches``) may raise: a misconfigured
+engine must not start.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import vllm
@@ -43,6 +54,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger("kvxfer.integrations.vllm")
+T = TypeVar("T")
 
 
 @dataclass
@@ -83,6 +97,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        #: Entry points that raised (and were answered safely), by name.
+        self.failures: Counter[str] = Counter()
         if role == KVConnectorRole.SCHEDULER:
             producer = bool(transfer.is_kv_producer)
             self._scheduler = SchedulerSide(
@@ -93,6 +109,15 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(settings, layout, engine_id, get_tensor_model_parallel_rank())
+
+    def _guarded(self, what: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
+        """``call()``; if it raises, log and count it and answer ``fallback()`` instead."""
+        try:
+            return call()
+        except Exception:  # noqa: BLE001 - the failure contract: nothing reaches vLLM's loops
+            self.failures[what] += 1
+            log.exception("kvxfer: %s failed; answered so that the request stays correct", what)
+            return fallback()
 
     # -- scheduler half ----------------------------------------------------------------------
 
@@ -106,14 +131,26 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._guarded(
+            "get_num_new_matched_tokens",
+            lambda: self._sched().get_num_new_matched_tokens(request, num_computed_tokens),
+            lambda: self._sched().forget(request))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        self._sched().update_state_after_alloc(request, list(blocks.get_block_ids()[0]),
-                                               num_external_tokens)
+        block_ids = list(blocks.get_block_ids()[0])
+        self._guarded(
+            "update_state_after_alloc",
+            lambda: self._sched().update_state_after_alloc(request, block_ids, num_external_tokens),
+            lambda: self._sched().fail_load(request, block_ids, num_external_tokens,
+                                            "update_state_after_alloc failed"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._guarded("build_connector_meta", lambda: self._build_meta(scheduler_output),
+                             lambda: KvxferMetadata(self._sched().failed_plan(
+                                 "build_connector_meta failed")))
+
+    def _build_meta(self, scheduler_output: SchedulerOutput) -> KvxferMetadata:
         scheduled: dict[str, tuple[int, int]] = {}
         for new in scheduler_output.scheduled_new_reqs:
             scheduled[new.req_id] = (new.num_computed_tokens,
@@ -126,11 +163,15 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KvxferMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().finished_loading(set(connector_output.finished_recving or ()))
+        finished = set(connector_output.finished_recving or ())
+        self._guarded("update_connector_output", lambda: self._sched().finished_loading(finished),
+                      lambda: None)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self._sched().request_finished(request)
+        params = self._guarded("request_finished", lambda: self._sched().request_finished(request),
+                               lambda: None)
+        return False, params
 
     # -- worker half -------------------------------------------------------------------------
 
@@ -144,27 +185,30 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         assert isinstance(connector_metadata, KvxferMetadata)
-        self._work().bind(connector_metadata.plan)
+        self._guarded("bind_connector_metadata",
+                      lambda: self._work().bind(connector_metadata.plan), lambda: None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._work().start_load_kv()
+        self._guarded("start_load_kv", self._work().start_load_kv, lambda: None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads land whole, before the request is scheduled again
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        self._work().save_kv_layer(layer_name, kv_layer)
+        self._guarded("save_kv_layer", lambda: self._work().save_kv_layer(layer_name, kv_layer),
+                      lambda: None)
 
     def wait_for_save(self) -> None:
-        self._work().wait_for_save()
+        self._guarded("wait_for_save", self._work().wait_for_save, lambda: None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work().get_finished() or None
+        finished: set[str] = self._guarded("get_finished", self._work().get_finished, set)
+        return None, finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._work().take_load_errors()
+        return self._guarded("get_block_ids_with_load_errors", self._work().take_load_errors, set)
 
     def shutdown(self) -> None:
         if self._worker is not None:
-            self._worker.shutdown()
+            self._guarded("shutdown", self._worker.shutdown, lambda: None)

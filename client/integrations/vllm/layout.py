@@ -48,15 +48,6 @@ class BlockLayout:
         """The fingerprint as JSON-ready values (what ``kv_transfer_params`` carries)."""
         return asdict(self)
 
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> BlockLayout:
-        """A fingerprint from its dict; IncompatibleLayoutError if it is not one."""
-        names = {f.name for f in fields(cls)}
-        if not isinstance(values, dict) or set(values) != names:
-            raise IncompatibleLayoutError(
-                f"the peer's block layout {values!r} is not a kvxfer BlockLayout (fields {sorted(names)})")
-        return cls(**values)
-
     def differences(self, other: BlockLayout) -> list[str]:
         """Each field that differs, as "name: ours X, theirs Y"."""
         return [f"{f.name}: ours {getattr(self, f.name)!r}, theirs {getattr(other, f.name)!r}"

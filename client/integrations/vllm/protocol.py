@@ -1,11 +1,15 @@
 """What the connector's halves tell each other, and what a prefill engine tells a decode engine.
 
-Between engines, through the proxy, ``kv_transfer_params`` follows vLLM's
-NixlConnector convention: the proxy sends ``{"do_remote_decode": true}`` to the
-prefill engine (optionally ``"verify": true``); the prefill response carries
-``{"do_remote_prefill": true, "do_remote_decode": false, "kvxfer": {...}}``
-(``RemotePrefill``: which daemon, which transfer, how many tokens, the block
-layout), which the proxy passes unchanged to the decode engine.
+Between engines, through the proxy or router, ``kv_transfer_params`` follows vLLM's
+NixlConnector convention, in kvxfer's params **v1** (``docs/trust.md``): the proxy
+sends ``{"do_remote_decode": true}`` to the prefill engine (optionally
+``"verify": true``); the prefill response carries ``{"do_remote_prefill": true,
+"do_remote_decode": false, "kvxfer": {"version": 1, ...}}`` (``KvxferParamsV1``:
+which daemon, which transfer, the block layout), which the proxy passes unchanged to
+the decode engine. Params are client input: ``parse_remote_prefill`` validates them
+strictly into typed records or a ``Refusal`` naming the reason, never raises, and
+nothing in them says how many tokens to load (the decode engine counts its own
+prompt).
 
 Within an engine, the scheduler half sends the worker half a ``StepPlan`` with
 every step: blocks to save into leased daemon pages (prefill), transfers to
@@ -16,9 +20,48 @@ request ended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
+
+#: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads.
+PARAMS_VERSION: Final = 1
+#: A transfer id: printable ASCII without spaces (what the daemon's limits accept).
+TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
+#: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
+PEER_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
+
+#: Why a request's params were not followed (the keys of ``SchedulerSide.refusals``).
+RefusalReason = Literal["malformed", "version", "layout"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class LayoutV1(_Strict):
+    """``BlockLayout`` as params carry it: every field, exact types."""
+
+    model: str = Field(max_length=4096)
+    dtype: str = Field(max_length=64)
+    block_size: int = Field(gt=0, le=1 << 20)
+    num_layers: int = Field(gt=0, le=1 << 16)
+    num_kv_heads: int = Field(gt=0, le=1 << 16)
+    head_size: int = Field(gt=0, le=1 << 16)
+    tp_size: int = Field(gt=0, le=1 << 16)
+    vllm_version: str = Field(max_length=256)
+    attention: str = Field(max_length=256)
+
+
+class KvxferParamsV1(_Strict):
+    """``kv_transfer_params["kvxfer"]``, version 1."""
+
+    version: Literal[1]
+    transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
+    peer: str = Field(pattern=PEER_PATTERN)
+    layout: LayoutV1
 
 
 @dataclass(frozen=True)
@@ -27,31 +70,70 @@ class RemotePrefill:
 
     transfer_id: str
     peer: str
-    num_tokens: int
     layout: BlockLayout
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""
+        ours = KvxferParamsV1(version=PARAMS_VERSION, transfer_id=self.transfer_id,
+                              peer=self.peer, layout=LayoutV1(**self.layout.as_dict()))
         return {"do_remote_prefill": True, "do_remote_decode": False,
-                "kvxfer": {"transfer_id": self.transfer_id, "peer": self.peer,
-                           "num_tokens": self.num_tokens, "layout": self.layout.as_dict()}}
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any] | None) -> RemotePrefill | None:
-        """The remote prefill a decode request's ``kv_transfer_params`` names, if any.
-
-        Raises IncompatibleLayoutError if the layout it carries is not one.
-        """
-        if not params or not params.get("do_remote_prefill") or "kvxfer" not in params:
-            return None
-        ours = params["kvxfer"]
-        return cls(str(ours["transfer_id"]), str(ours["peer"]), int(ours["num_tokens"]),
-                   BlockLayout.from_dict(ours["layout"]))
+                "kvxfer": ours.model_dump()}
 
 
-def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    """True when a prefill request's ``kv_transfer_params`` ask for its KV to be handed off."""
-    return bool(params and params.get("do_remote_decode"))
+@dataclass(frozen=True)
+class Refusal:
+    """Params that ask for a remote prefill this connector will not load, and why."""
+
+    reason: RefusalReason
+    detail: str
+
+
+def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refusal | None:
+    """What a decode request's ``kv_transfer_params`` ask for: None when no remote prefill
+    (``do_remote_prefill`` absent or false), a ``RemotePrefill`` to load, or a ``Refusal``
+    (malformed, another version, another block layout than ``ours``). Never raises."""
+    if not isinstance(params, dict) or params.get("do_remote_prefill") in (None, False):
+        return None
+    if params["do_remote_prefill"] is not True:
+        return Refusal("malformed", f"do_remote_prefill is {_short(params['do_remote_prefill'])}, "
+                                    "expected true or false")
+    raw = params.get("kvxfer")
+    if not isinstance(raw, dict):
+        return Refusal("malformed", f"kvxfer is {_short(raw)}, expected an object of params "
+                                    f"v{PARAMS_VERSION} (was the prefill engine's connector kvxfer?)")
+    version = raw.get("version")
+    if version != PARAMS_VERSION or type(version) is not int:
+        return Refusal("version", f"params version {_short(version)}; this connector reads "
+                                  f"version {PARAMS_VERSION}")
+    try:
+        parsed = KvxferParamsV1.model_validate(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"]) or "kvxfer"
+        return Refusal("malformed", f"kvxfer.{where}: {error['msg']}")
+    theirs = BlockLayout(**parsed.layout.model_dump())
+    differences = ours.differences(theirs)
+    if differences:
+        return Refusal("layout", "the prefill engine's block layout differs from ours: "
+                                 + "; ".join(differences))
+    return RemotePrefill(parsed.transfer_id, parsed.peer, theirs)
+
+
+def wants_remote_decode(params: Any) -> bool:
+    """True when a prefill request's ``kv_transfer_params`` ask for its KV to be handed off
+    (``do_remote_decode`` exactly true)."""
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def wants_verify(params: Any) -> bool:
+    """True when a prefill request asks for checksums (``verify`` exactly true)."""
+    return isinstance(params, dict) and params.get("verify") is True
+
+
+def _short(value: Any) -> str:
+    """A value for an error message: its type and at most 40 characters of it."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 
 def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
@@ -63,7 +145,8 @@ def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
 class Save:
     """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
     into the pages leased for it (block ``i`` into ``pages[rank][i]``), then offers them as
-    its rank's transfer of ``transfer_id``."""
+    its rank's transfer of ``transfer_id``. ``arena_epoch`` is the daemon memory epoch the
+    leases were granted in: a worker whose mapping is older re-attaches before writing."""
 
     req_id: str
     transfer_id: str
@@ -71,6 +154,7 @@ class Save:
     lease_ids: tuple[str, ...]
     pages: tuple[tuple[int, ...], ...]
     verify: bool
+    arena_epoch: str = ""
 
 
 @dataclass(frozen=True)

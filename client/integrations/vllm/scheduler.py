@@ -13,26 +13,38 @@ once: the daemon holds the KV from then on.
 Decode (``do_remote_prefill`` with kvxfer params): the prompt's tokens beyond a
 local prefix-cache hit are an asynchronous external hit; once vLLM has
 allocated blocks for them, the worker pulls the transfer into leased pages of
-its own daemon and copies them into those blocks (``Load``). A layout that
-differs from the prefill engine's is refused there, naming the difference, and
-fails like any load (``kv_load_failure_policy`` decides: recompute or fail).
-A request that ends while its load is pending is cancelled in the next plan.
+its own daemon and copies them into those blocks (``Load``). How many tokens is
+the engine's own prompt length, never a number from params. Params that are
+malformed, of another version or of another block layout are refused before
+any block is allocated: the request is computed here like an ordinary prompt,
+and ``refusals`` counts it by reason. A load that fails later reports its
+blocks invalid (``kv_load_failure_policy`` decides: recompute or fail). A
+request that ends while its load is pending is cancelled in the next plan; its
+blocks are reported finished so vLLM frees them.
+
+Every entry point vLLM calls is wrapped by the connector (``connector.py``): no
+exception from here reaches vLLM's scheduler loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.protocol import (
     Load,
+    Refusal,
     RemotePrefill,
     Save,
     StepPlan,
+    parse_remote_prefill,
     wants_remote_decode,
+    wants_verify,
 )
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.library import KvxferClient
@@ -62,19 +74,59 @@ class SchedulerSide:
         self._new_loads: list[Load] = []
         self._loading: set[str] = set()
         self._cancels: list[str] = []
+        self._remote: dict[str, RemotePrefill] = {}  # req id -> the load it was promised
+        #: Requests whose params were not followed, by reason (see ``protocol.Refusal``).
+        self.refusals: Counter[str] = Counter()
 
     # -- decode --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """The prompt tokens a remote prefill holds beyond the local hit: loaded asynchronously."""
-        remote = RemotePrefill.from_params(request.kv_transfer_params) if self._consumer else None
+        """The prompt tokens a remote prefill holds beyond the local hit: loaded asynchronously.
+
+        Counted from the engine's own prompt; refused params load nothing (counted)."""
+        if not self._consumer:
+            return 0, False
+        remote = parse_remote_prefill(request.kv_transfer_params, self._layout)
+        if isinstance(remote, Refusal):
+            self._refuse(request, remote)
+            return 0, False
         if remote is None:
             return 0, False
-        count = remote.num_tokens - num_computed_tokens
+        count = int(request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._local_computed[request.request_id] = num_computed_tokens
+        self._remote[request.request_id] = remote
         return count, True
+
+    def forget(self, request: Any) -> tuple[int, bool]:
+        """Load nothing for ``request`` (after a failure): it is computed here."""
+        self._remote.pop(request.request_id, None)
+        self._local_computed.pop(request.request_id, None)
+        return 0, False
+
+    def fail_load(self, request: Any, block_ids: list[int], num_external_tokens: int,
+                  why: str) -> None:
+        """Plan a load of ``request`` that fails at once (after a failure): vLLM gets its
+        blocks back as invalid and computes them, instead of waiting for them forever."""
+        self.forget(request)
+        if num_external_tokens > 0:
+            self._new_loads.append(Load(request.request_id, "", "", 0, 0, tuple(block_ids), why))
+            self._loading.add(request.request_id)
+
+    def failed_plan(self, why: str) -> StepPlan:
+        """This step's plan when building it failed: its loads fail at once (vLLM computes
+        their blocks), its saves are dropped (the decode engines compute those prompts)."""
+        plan = StepPlan(loads=[dataclasses.replace(load, refused=why) for load in self._new_loads],
+                        cancels=self._cancels)
+        self._new_loads, self._cancels = [], []
+        return plan
+
+    def _refuse(self, request: Any, refusal: Refusal) -> None:
+        self.refusals[refusal.reason] += 1
+        request.kv_transfer_params["do_remote_prefill"] = False  # refused once, not every step
+        log.warning("request %s: not loading its KV (params %s: %s); computing its prompt here",
+                    request.request_id, refusal.reason, refusal.detail)
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks are allocated: plan the save (prefill) or the load (decode) of ``request``."""
@@ -82,7 +134,7 @@ class SchedulerSide:
         if self._producer and wants_remote_decode(params):
             self._to_save[request.request_id] = request
             return
-        remote = RemotePrefill.from_params(params) if self._consumer else None
+        remote = self._remote.pop(request.request_id, None)
         if remote is None:
             return
         params["do_remote_prefill"] = False  # one transfer per request, however often we are called
@@ -90,17 +142,10 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         block_size = self._layout.block_size
-        num_pages = math.ceil(remote.num_tokens / block_size)
+        num_pages = math.ceil(int(request.num_prompt_tokens) / block_size)
         first = local // block_size
-        differences = self._layout.differences(remote.layout)
-        refused = ""
-        if differences:
-            refused = (f"the prefill engine's block layout differs from ours: "
-                       f"{'; '.join(differences)}")
-            log.error("request %s: refusing transfer %s: %s", request.request_id,
-                      remote.transfer_id, refused)
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
-                                    num_pages, first, tuple(block_ids[first:num_pages]), refused))
+                                    num_pages, first, tuple(block_ids[first:num_pages])))
         self._loading.add(request.request_id)
 
     def finished_loading(self, req_ids: set[str]) -> None:
@@ -123,7 +168,12 @@ class SchedulerSide:
             if computed + now < num_tokens:
                 continue  # its prompt finishes in a later step (chunked prefill)
             del self._to_save[req_id]
-            save = self._lease(request, block_ids_of(req_id))
+            try:
+                save = self._lease(request, block_ids_of(req_id))
+            except Exception:  # noqa: BLE001 - the failure contract: the decode side recomputes
+                log.exception("request %s: could not plan its save; its decode engine will "
+                              "compute the prompt", req_id)
+                save = None
             if save is not None:
                 self._saved[req_id] = save
                 plan.saves.append(save)
@@ -149,21 +199,23 @@ class SchedulerSide:
                 except KvxferError:
                     pass  # the daemon frees it when it expires (lease_s)
             return None
-        verify = self._settings.verify or bool((request.kv_transfer_params or {}).get("verify"))
+        verify = self._settings.verify or wants_verify(request.kv_transfer_params)
         return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]),
                     tuple(lease.lease_id for lease in leases),
-                    tuple(tuple(lease.runs.pages()) for lease in leases), verify)
+                    tuple(tuple(lease.runs.pages()) for lease in leases), verify,
+                    leases[0].arena_epoch)
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """The request ended: the ``kv_transfer_params`` of its response (vLLM frees its
         blocks at once either way)."""
         req_id = request.request_id
         self._to_save.pop(req_id, None)
+        self._remote.pop(req_id, None)
+        self._local_computed.pop(req_id, None)
         if req_id in self._loading:
             self._loading.discard(req_id)
             self._cancels.append(req_id)
         save = self._saved.pop(req_id, None)
         if save is None or request.status.name not in FINISHED_NORMALLY:
             return None
-        return RemotePrefill(save.transfer_id, self._peer, request.num_prompt_tokens,
-                             self._layout).to_params()
+        return RemotePrefill(save.transfer_id, self._peer, self._layout).to_params()

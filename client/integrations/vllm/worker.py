@@ -13,7 +13,15 @@ starts a pull per planned load and returns; ``get_finished`` asks the daemon
 once per step which transfers ended (batched completion), copies finished ones
 into the request's blocks (copy-in) and reports them; failed ones report their
 blocks through ``load_errors`` so vLLM recomputes or fails them, never serves
-them.
+them. A load dropped because its request ended is reported finished too, so
+vLLM frees the blocks it held for it.
+
+Memory identity: the worker maps the daemon's pool once, and remembers the
+mapping's memory epoch. A daemon that restarted has another epoch (on its
+leases and completions): the worker re-attaches before it writes or reads
+pages, passes its epoch with every offer and pull (a daemon of another epoch
+refuses them), and fails the loads of a restarted daemon at once. It never
+reads or writes a stale mapping, and dropping it frees the old arena's memory.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import logging
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +41,7 @@ from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.library import AttachedPool, KvxferClient
-from kvxfer.errors import IncompatibleLayoutError, KvxferError, LeaseNotFoundError
+from kvxfer.errors import IncompatibleLayoutError, KvxferError, LeaseNotFoundError, StaleArenaError
 from kvxfer.pages import PageRuns
 from kvxfer.status import LeaseInfo, TransferInfo
 
@@ -44,11 +53,13 @@ EXPIRY_GRACE_S = 10.0
 
 @dataclass
 class PendingLoad:
-    """A pull in flight: where its pages land, and when it started."""
+    """A pull in flight: where its pages land, when it started, and the memory epoch of
+    the mapping it lands in."""
 
     load: Load
     lease: LeaseInfo
     started: float
+    epoch: str
 
 
 class TransferStats:
@@ -87,10 +98,13 @@ class WorkerSide:
         self._client = KvxferClient(settings.daemon)
         self._stats = TransferStats(settings.stats_file)
         self._pool: AttachedPool | None = None
+        self._epoch = ""
         self._pages = torch.empty(0, dtype=torch.uint8)
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
         self._plan = StepPlan()
+        self._unsaved: dict[str, str] = {}  # transfer id -> why this step's save of it failed
+        self._layers_saved: Counter[str] = Counter()  # transfer id -> layers copied this step
         self._copy_out: dict[str, float] = {}
         self._pending: dict[str, PendingLoad] = {}
         self._finished: set[str] = set()
@@ -113,37 +127,92 @@ class WorkerSide:
                     "needs each block's bytes together")
         self._layers = {name: i for i, name in enumerate(names)}
         self._kv = [_blocks(kv_caches[name]) for name in names]
-        self._pool = pool = self._client.attach(self._settings.pool)
-        check_pool(self._layout, pool.descriptor)
-        start = pool.descriptor.layout.anchor_bytes
-        self._pages = pool.raw[start:start + pool.descriptor.num_pages * pool.descriptor.page_bytes]
-        self._pages = self._pages.view(pool.descriptor.num_pages, len(names), self._layout.block_bytes)
-        self._cursor = self._client.completions().cursor
+        self._attach()
         log.info("kvxfer: %d layers of %d-byte blocks through pool %r of %s", len(names),
                  self._layout.block_bytes, self._settings.pool, self._settings.daemon)
 
-    def bind(self, plan: StepPlan) -> None:
-        """This step's plan, from the scheduler half."""
-        self._plan = plan
+    def _attach(self) -> None:
+        """Map the daemon's pool (dropping an earlier mapping first) and start following its
+        completions from now."""
+        self._detach()
+        pool = self._client.attach(self._settings.pool)
+        try:
+            check_pool(self._layout, pool.descriptor)
+        except IncompatibleLayoutError:
+            pool.detach()
+            raise
+        start = pool.descriptor.layout.anchor_bytes
+        pages = pool.raw[start:start + pool.descriptor.num_pages * pool.descriptor.page_bytes]
+        self._pages = pages.view(pool.descriptor.num_pages, len(self._kv), self._layout.block_bytes)
+        self._pool, self._epoch = pool, pool.epoch
+        self._cursor = self._client.completions().cursor
+        self._lost(self._epoch)
+
+    def _detach(self) -> None:
+        if self._pool is not None:
+            self._pages = torch.empty(0, dtype=torch.uint8)
+            self._pool.detach()
+            self._pool = None
+
+    def _current(self, epoch: str) -> None:
+        """Make the mapping the one of memory ``epoch`` (a lease's): re-attach when the daemon
+        restarted since we mapped it; StaleArenaError if it restarted yet again."""
+        if epoch == self._epoch:
+            return
+        log.warning("kvxfer: daemon %s restarted (memory epoch %s, ours %s): re-attaching pool %r",
+                    self._settings.daemon, epoch[:12], self._epoch[:12], self._settings.pool)
+        self._attach()
+        if epoch != self._epoch:
+            raise StaleArenaError(f"the daemon's memory epoch is now {self._epoch[:12]}, the "
+                                  f"lease's {epoch[:12]}: it restarted again")
 
     # -- prefill -----------------------------------------------------------------------------
+
+    def bind(self, plan: StepPlan) -> None:
+        """This step's plan, from the scheduler half; saves into pages of another memory
+        epoch than our mapping's re-attach first (a save that cannot is dropped)."""
+        self._plan = plan
+        self._unsaved.clear()
+        self._layers_saved.clear()
+        for save in plan.saves:
+            try:
+                self._current(save.arena_epoch)
+            except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
+                self._unsaved[save.transfer_id] = f"{type(exc).__name__}: {exc}"
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's blocks of every request saved this step into its pages."""
         if not self._plan.saves:
             return
-        layer = self._layers[layer_name]
-        blocks = _blocks(kv_layer)
         for save in self._plan.saves:
+            if save.transfer_id in self._unsaved:
+                continue
             start = time.perf_counter()
-            self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
+            try:
+                layer = self._layers[layer_name]
+                blocks = _blocks(kv_layer)
+                self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
+                self._layers_saved[save.transfer_id] += 1
+            except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
+                self._unsaved[save.transfer_id] = f"layer {layer_name}: {type(exc).__name__}: {exc}"
             self._copy_out[save.transfer_id] = (self._copy_out.get(save.transfer_id, 0.0)
                                                 + time.perf_counter() - start)
 
     def wait_for_save(self) -> None:
-        """Offer every page saved this step; the lease ends with the transfer."""
+        """Offer every page saved this step; the lease ends with the transfer. A save that
+        failed part way is never offered: its pages go back and the decode side's pull fails."""
         for save in self._plan.saves:
-            self._offer(save)
+            saved = self._layers_saved.pop(save.transfer_id, 0)
+            failed = self._unsaved.get(save.transfer_id)
+            if failed is None and saved != self._layout.num_layers:
+                failed = f"{saved} of its {self._layout.num_layers} layers were saved"
+            if failed is None:
+                self._offer(save)
+                continue
+            log.error("request %s: its KV was not saved (%s); not offered, so its decode engine "
+                      "computes the prompt itself", save.req_id, failed)
+            self._release(save.lease_ids[self._rank])
+            self._copy_out.pop(save.transfer_id, None)
 
     def _offer(self, save: Save) -> None:
         nbytes = len(save.block_ids) * self._layout.num_layers * self._layout.block_bytes
@@ -152,7 +221,7 @@ class WorkerSide:
         try:
             self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
                                timeout_s=self._settings.timeout_s, verify=save.verify,
-                               lease_id=lease_id, release_lease=True)
+                               lease_id=lease_id, release_lease=True, arena_epoch=self._epoch)
         except KvxferError as exc:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
                       "recompute", save.req_id, type(exc).__name__, exc)
@@ -164,39 +233,45 @@ class WorkerSide:
     # -- decode ------------------------------------------------------------------------------
 
     def start_load_kv(self) -> None:
-        """Drop the loads of requests that ended, and start this step's pulls."""
+        """Drop the loads of requests that ended (reporting them finished, so vLLM frees their
+        blocks), and start this step's pulls."""
         for req_id in self._plan.cancels:
             for tid, pending in list(self._pending.items()):
                 if pending.load.req_id == req_id:
                     del self._pending[tid]
                     self._abort(tid, "its request ended")
                     self._release(pending.lease.lease_id)
+                    self._finished.add(req_id)
         for load in self._plan.loads:
             if load.refused:
                 self._fail(load, load.refused)
                 continue
             try:
-                lease = self._client.allocate(self._settings.pool, load.num_pages,
-                                              self._settings.lease_s, holder=f"vllm {self._engine_id}")
-            except KvxferError as exc:
-                self._fail(load, f"no daemon pages for it: {type(exc).__name__}: {exc}")
-                continue
-            transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
-            try:
-                self._client.pull(transfer_id, load.peer, self._settings.pool, lease.runs,
-                                  timeout_s=self._settings.timeout_s, lease_id=lease.lease_id)
-            except KvxferError as exc:
-                self._release(lease.lease_id)
-                self._fail(load, f"the pull was refused: {type(exc).__name__}: {exc}")
-                continue
-            self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter())
+                self._start(load)
+            except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
+                self._fail(load, f"{type(exc).__name__}: {exc}")
+
+    def _start(self, load: Load) -> None:
+        """Lease pages for ``load`` in the daemon's current memory and pull into them."""
+        lease = self._client.allocate(self._settings.pool, load.num_pages,
+                                      self._settings.lease_s, holder=f"vllm {self._engine_id}")
+        transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
+        try:
+            self._current(lease.arena_epoch)
+            self._client.pull(transfer_id, load.peer, self._settings.pool, lease.runs,
+                              timeout_s=self._settings.timeout_s, lease_id=lease.lease_id,
+                              arena_epoch=self._epoch)
+        except BaseException:
+            self._release(lease.lease_id)
+            raise
+        self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch)
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see load_errors)."""
         if self._pending:
             try:
                 self._poll()
-            except KvxferError as exc:  # the engine goes on; loads past their deadline fail
+            except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
                 log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
                             type(exc).__name__, exc)
             self._expire()
@@ -205,6 +280,9 @@ class WorkerSide:
 
     def _poll(self) -> None:
         ended = self._client.completions(self._cursor)
+        if ended.epoch != self._epoch:
+            self._lost(ended.epoch)
+            return
         infos = ended.transfers
         if ended.missed:  # the daemon no longer keeps some endings: ask for ours
             infos = [i for i in self._client.transfers() if i.state.final]
@@ -213,6 +291,16 @@ class WorkerSide:
             pending = self._pending.pop(info.transfer_id, None)
             if pending is not None:
                 self._land(pending, info)
+
+    def _lost(self, epoch: str) -> None:
+        """The daemon's memory epoch is ``epoch``: fail at once every pending load of another
+        (the daemon that held their transfers is gone, and their pages with it)."""
+        for tid, pending in list(self._pending.items()):
+            if pending.epoch != epoch:
+                del self._pending[tid]
+                self._release(pending.lease.lease_id)
+                self._fail(pending.load, f"the daemon restarted (memory epoch {epoch[:12]}, "
+                                         f"the load's {pending.epoch[:12]}): its transfer is gone")
 
     def _expire(self) -> None:
         """Fail the loads the daemon has not ended well past their deadline (it did not
@@ -229,6 +317,9 @@ class WorkerSide:
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
         transfer_s = time.perf_counter() - pending.started
+        if pending.epoch != self._epoch:
+            self._fail(load, "the pool was re-attached while it loaded (the daemon restarted)")
+            return
         if not info.ok:
             self._release(pending.lease.lease_id)
             self._fail(load, f"transfer {info.state.name}: {info.error}")
@@ -281,7 +372,5 @@ class WorkerSide:
             self._abort(tid, "the engine shut down")
             self._release(pending.lease.lease_id)
         self._pending.clear()
-        if self._pool is not None:
-            self._pages = torch.empty(0, dtype=torch.uint8)
-            self._pool.detach()
+        self._detach()
         self._client.close()

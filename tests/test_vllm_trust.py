@@ -1,0 +1,152 @@
+"""The connector's failure contract without vLLM: real daemons killed and restarted, bad saves.
+
+Each guard has a negative control: the same scenario with the guard switched off
+(a test-only seam: ``monkeypatch`` of the one method that implements it) shows the
+bad outcome the guard prevents, so the guard's test can fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_vllm_connector import LAYOUT, POOL, Request, kv_caches, settings, wait_finished
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.client.integrations.vllm.worker import WorkerSide
+
+
+@dataclass
+class Engines:
+    """A prefill and a decode engine's connector halves, each on its own daemon."""
+
+    pre: Any
+    dec: Any
+    sched_p: SchedulerSide
+    sched_d: SchedulerSide
+    work_p: WorkerSide
+    work_d: WorkerSide
+    kv_p: dict[str, torch.Tensor]
+    kv_d: dict[str, torch.Tensor]
+
+    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[int]]:
+        """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
+        ``dst``: whether every layer's blocks arrived equal, and the blocks reported invalid."""
+        tokens = 32 * len(src)
+        req = Request(f"{name}-p", tokens, {"do_remote_decode": True})
+        self.sched_p.update_state_after_alloc(req, src, 0)
+        plan = self.sched_p.build_plan({req.request_id: (0, tokens)}, lambda _: src)
+        self.work_p.bind(plan)
+        for layer, kv in self.kv_p.items():
+            self.work_p.save_kv_layer(layer, kv)
+        self.work_p.wait_for_save()
+        params = self.sched_p.request_finished(req)
+        assert params is not None, "the prefill side offered nothing"
+        dreq = Request(f"{name}-d", tokens, params)
+        assert self.sched_d.get_num_new_matched_tokens(dreq, 0) == (tokens, True)
+        self.sched_d.update_state_after_alloc(dreq, dst, tokens)
+        self.work_d.bind(self.sched_d.build_plan({}, lambda _: []))
+        self.work_d.start_load_kv()
+        wait_finished(self.work_d, dreq.request_id, timeout_s=30)
+        errors = self.work_d.take_load_errors()
+        equal = all(torch.equal(self.kv_d[k][dst], self.kv_p[k][src]) for k in self.kv_p)
+        return equal, errors
+
+    def fresh_kv(self, seed: int) -> None:
+        """New prefill KV (so that what arrived cannot be left over from earlier)."""
+        for layer, kv in kv_caches(seed).items():
+            self.kv_p[layer].copy_(kv)
+
+
+@pytest.fixture
+def engines(spawn):
+    pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
+    client = KvxferClient(pre.worker_address)
+    parts = Engines(
+        pre, dec,
+        SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True, consumer=False,
+                      client=client),
+        SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+                      client=None),
+        WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
+        WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
+        kv_caches(1), kv_caches(2))
+    parts.work_p.register_kv_caches(parts.kv_p)
+    parts.work_d.register_kv_caches(parts.kv_d)
+    yield parts
+    parts.work_p.shutdown()
+    parts.work_d.shutdown()
+    client.close()
+
+
+def mapped(path: str) -> bool:
+    """Whether this process maps the file at ``path``."""
+    return any(line.endswith(path) for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_after_a_daemon_restart_the_engines_reattach_and_the_kv_is_right(engines, side) -> None:
+    assert engines.hand_off("before", [3, 7], [1, 2]) == (True, set())
+    daemon = engines.dec if side == "decode" else engines.pre
+    worker = engines.work_d if side == "decode" else engines.work_p
+    old = worker._pool.memory.shm.path
+    daemon.restart()
+    engines.fresh_kv(5)
+    assert engines.hand_off("after", [4, 9], [5, 6]) == (True, set())
+    assert worker._pool.memory.shm.path != old and not mapped(old)  # the old arena is let go
+    engines.fresh_kv(6)
+    assert engines.hand_off("again", [0, 1], [7, 8]) == (True, set())
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, side,
+                                                                        monkeypatch) -> None:
+    """The guard switched off (``_current`` keeps the old mapping, no epoch on the verbs):
+    the restarted daemon moves memory the engine never wrote, or fills memory it never reads."""
+    completions = KvxferClient.completions
+    monkeypatch.setattr(WorkerSide, "_current", lambda self, epoch: None)
+    monkeypatch.setattr(KvxferClient, "completions", lambda self, *args, **kwargs: dataclasses.replace(
+        completions(self, *args, **kwargs), epoch=""))
+    for worker in (engines.work_p, engines.work_d):
+        monkeypatch.setattr(worker, "_epoch", "")
+    (engines.dec if side == "decode" else engines.pre).restart()
+    engines.fresh_kv(5)
+    equal, errors = engines.hand_off("after", [4, 9], [5, 6])
+    assert not equal and errors == set()  # wrong KV, and nothing says so
+
+
+def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines) -> None:
+    """Its transfer died with the daemon: the load fails at the next step, not its deadline."""
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "kvxfer": {"version": 1, "transfer_id": "P/never", "peer": engines.pre.peer_address,
+                         "layout": LAYOUT.as_dict()}}
+    dreq = Request("orphan", 64, params)
+    assert engines.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
+    engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
+    engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+    engines.work_d.start_load_kv()
+    assert engines.work_d.get_finished() == set()
+    engines.dec.restart()
+    assert engines.work_d.get_finished() == {"orphan"}
+    assert engines.work_d.take_load_errors() == {8, 9}
+
+
+def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:
+    """One layer's copy fails: the pages are not offered (the decode side computes the prompt)
+    and go back to the pool; the engine's loop sees no exception."""
+    req = Request("half", 64, {"do_remote_decode": True})
+    engines.sched_p.update_state_after_alloc(req, [2, 3], 0)
+    plan = engines.sched_p.build_plan({"half": (0, 64)}, lambda _: [2, 3])
+    engines.work_p.bind(plan)
+    first, second = list(engines.kv_p)
+    engines.work_p.save_kv_layer(first, engines.kv_p[first])
+    engines.work_p.save_kv_layer(second, torch.zeros(1, dtype=torch.bfloat16))  # not blocks
+    engines.work_p.wait_for_save()
+    assert "its KV was not saved" in caplog.text
+    with KvxferClient(engines.pre.worker_address) as p:
+        assert p.transfers() == [] and p.leased_pages() == {"kv": 0}
