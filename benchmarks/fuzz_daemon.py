@@ -316,7 +316,7 @@ def fuzz(count: int, seed: int, workdir: Path) -> dict[str, Any]:
         worker = grpc.insecure_channel(dec.worker_address)
         channels = {"peer": peer, "worker": worker}
         session_id = "fuzzer-session"
-        own = pb.HandshakeRequest(session_id=session_id, ucx_host="127.0.0.1", ucx_ports=[1],
+        own = pb.HandshakeRequest(protocol_version=1, session_id=session_id, ucx_host="127.0.0.1", ucx_ports=[1],
                                   ucx_error_handling=True, peer_address="127.0.0.1:1")
         peer.unary_unary("/kvxfer.v1.KvxferPeer/Handshake",
                          request_serializer=_serialize,

@@ -166,8 +166,9 @@ class Worker(threading.Thread):
             self.check_end(d.wait(tid, timeout_s=5), {"DEADLINE_EXCEEDED"}, 0.5)
             return "DEADLINE_EXCEEDED"
         if case == "pull":
-            p.offer(tid, "kv", src_runs, timeout_s=TIMEOUT_S, verify=True)
-            d.pull(tid, p_node.daemon.peer_address, "kv", dst_runs, timeout_s=TIMEOUT_S)
+            offered = p.offer(tid, "kv", src_runs, timeout_s=TIMEOUT_S, verify=True)
+            d.pull(tid, p_node.daemon.peer_address, "kv", dst_runs, timeout_s=TIMEOUT_S,
+                   capability=offered.capability)
         else:
             d.expect(tid, "kv", dst_runs, timeout_s=TIMEOUT_S)
             p.push(tid, "kv", src_runs, peer=d_node.daemon.peer_address, timeout_s=TIMEOUT_S,

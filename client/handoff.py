@@ -2,10 +2,11 @@
 
 What a disaggregated deployment does per request: in push mode the decode side
 expects the pages and the prefill side pushes them; in pull mode the prefill side
-offers them and the decode side pulls. Both verbs are sent at once with ``wait``,
+offers them (its answer holds the capability the pull must present) and the decode
+side pulls. Both verbs are sent at once with ``wait`` (pull mode: the pull and a wait),
 so each answers when its side is final: one round trip per side, overlapping,
-instead of a verb and a ``wait`` each in turn (the daemons pair the two sides
-whichever arrives first). If either side fails, the other is aborted at once (as an
+instead of a verb and a ``wait`` each in turn (in push mode the daemons pair the
+two sides whichever arrives first). If either side fails, the other is aborted at once (as an
 engine would) instead of running into its deadline. The demo, ``kvxfer bench`` and
 the benchmarks all move pages through ``hand_off``.
 """
@@ -16,7 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Literal
 
-from kvxfer.client.library import KvxferClient
+from kvxfer.client.library import DEFAULT_DEADLINE_S, KvxferClient
 from kvxfer.errors import KvxferError, TransferNotFoundError
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferInfo
@@ -71,10 +72,11 @@ def hand_off(prefill: KvxferClient, decode: KvxferClient, transfer_id: str, *, p
         sent = _SIDES.submit(prefill.push, transfer_id, pool, src, decode_peer, timeout_s,
                              verify, wait=True)
         driver = sent
-    else:
-        sent = _SIDES.submit(prefill.offer, transfer_id, pool, src, timeout_s, verify, wait=True)
+    else:  # the offer first: its answer holds the capability the pull presents
+        offered = prefill.offer(transfer_id, pool, src, timeout_s, verify)
+        sent = _SIDES.submit(prefill.wait, transfer_id, timeout_s or DEFAULT_DEADLINE_S)
         received = _SIDES.submit(decode.pull, transfer_id, prefill_peer, pool, dst, timeout_s,
-                                 wait=True)
+                                 capability=offered.capability, wait=True)
         driver = received
     daemon_of = {sent: prefill, received: decode}
     pending: set[Future[TransferInfo]] = {sent, received}

@@ -189,7 +189,8 @@ class KvxferClient:
         ``wait`` the answer comes when the transfer is final (see ``_verb``)."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                               lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
+                               lease=_lease(lease_id, release_lease, arena_epoch),
+                               peer_identity=peer_identity,
                                wait=wait)
         return self._verb(self._stub.Expect, req, timeout_s, wait)
 
@@ -207,26 +208,35 @@ class KvxferClient:
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,
               verify: bool = False, *, lease_id: str = "",
               release_lease: bool = False, peer_identity: str = "",
-              arena_epoch: str = "", wait: bool = False) -> TransferInfo:
+              arena_epoch: str = "", prompt_digest: bytes = b"",
+              wait: bool = False) -> TransferInfo:
         """Make ``src_runs`` available for a peer's pull (prefill side); with
-        ``peer_identity``, for that peer's only; with ``wait``, answer when it is final."""
+        ``peer_identity``, for that peer's only; with ``wait``, answer when it is final.
+
+        The answer's ``capability`` (the lease's, when one is named) is what the pull must
+        present, once; hand it to the puller as a secret. ``prompt_digest`` (what the KV was
+        computed from) must equal the pull's."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify,
-                              lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
-                              wait=wait)
+                              lease=_lease(lease_id, release_lease, arena_epoch),
+                              peer_identity=peer_identity, wait=wait, prompt_digest=prompt_digest)
         return self._verb(self._stub.Offer, req, timeout_s, wait)
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float = 0.0, *, lease_id: str = "",
              release_lease: bool = False, peer_identity: str = "",
-             arena_epoch: str = "", wait: bool = False) -> TransferInfo:
-        """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side); with
-        ``peer_identity`` (that daemon's certificate name) no other peer may fill it; with
-        ``wait``, answer when it is final."""
+             arena_epoch: str = "", capability: str = "", prompt_digest: bytes = b"",
+             wait: bool = False) -> TransferInfo:
+        """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side),
+        presenting the offer's ``capability`` and ``prompt_digest`` (a wrong or spent
+        capability, or no such offer, fails the transfer with NOT_FOUND; another digest with
+        PromptMismatchError); with ``peer_identity`` (that daemon's certificate name) no
+        other peer may fill it; with ``wait``, answer when it is final."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                             lease=_lease(lease_id, release_lease, arena_epoch), peer_identity=peer_identity,
-                             wait=wait)
+                             lease=_lease(lease_id, release_lease, arena_epoch),
+                             peer_identity=peer_identity, wait=wait, capability=capability,
+                             prompt_digest=prompt_digest)
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:

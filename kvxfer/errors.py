@@ -53,6 +53,14 @@ class StaleArenaError(KvxferError, code="FAILED_PRECONDITION", reason="STALE_ARE
     attached): re-attach, and redo what was written through the old mapping."""
 
 
+class PromptMismatchError(KvxferError, code="FAILED_PRECONDITION", reason="PROMPT_MISMATCH"):
+    """A pull presented a prompt digest other than the one its offer's KV was computed from."""
+
+
+class ProtocolVersionError(KvxferError, code="FAILED_PRECONDITION", reason="PROTOCOL_VERSION"):
+    """A peer speaks another version of the peer protocol (the message names both)."""
+
+
 class PoolNotFoundError(KvxferError, LookupError, code="NOT_FOUND", reason="POOL_NOT_FOUND"):
     """No pool of that name is served here."""
 
@@ -100,6 +108,11 @@ class PeerNotAllowedError(KvxferError, PermissionError, code="PERMISSION_DENIED"
     this daemon admits, or the transfer belongs to another session or peer."""
 
 
+class DialNotAllowedError(PeerNotAllowedError, code="PERMISSION_DENIED", reason="DIAL_NOT_ALLOWED"):
+    """This daemon may not dial that peer address: it is outside the operator's
+    ``--dial-allow`` policy (nothing was sent to it)."""
+
+
 class LimitExceededError(KvxferError, code="RESOURCE_EXHAUSTED", reason="LIMIT_EXCEEDED"):
     """A request would pass one of the daemon's bounds (sessions per peer, pending claims,
     transfers in flight); the message names the limit."""
@@ -110,7 +123,8 @@ ERROR_TYPES: dict[str, type[KvxferError]] = {
     cls.reason: cls
     for cls in (
         InternalError, InvalidSpecError, InvalidRangeError, PageOutOfRangeError,
-        IncompatibleLayoutError, AttachError, StaleArenaError, PoolNotFoundError, TransferNotFoundError,
+        IncompatibleLayoutError, AttachError, StaleArenaError, PromptMismatchError,
+        ProtocolVersionError, DialNotAllowedError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
         IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,
         PeerNotAllowedError, LimitExceededError,

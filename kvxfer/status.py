@@ -9,7 +9,7 @@ nothing is copied by hand and a value read off the wire is a member here.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.errors import KvxferError
@@ -45,7 +45,9 @@ class TransferInfo:
     """One side's view of a transfer, as its daemon reports it.
 
     ``failure`` is the error that ended it (the same ``kvxfer.errors`` type on
-    every side of the wire), None while it runs and when it succeeded.
+    every side of the wire), None while it runs and when it succeeded. ``capability``
+    is set only in the answer to the offer that registered it: the secret its pull
+    must present (it is left out of ``as_dict``).
     """
 
     transfer_id: str
@@ -64,6 +66,7 @@ class TransferInfo:
     data_seconds: float
     lanes: int
     timeout_s: float = 0.0
+    capability: str = field(default="", repr=False)
 
     @property
     def ok(self) -> bool:
@@ -82,7 +85,8 @@ class TransferInfo:
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (enums by name, the failure as code, type and message)."""
-        out: dict[str, Any] = {k: v for k, v in self.__dict__.items() if k != "failure"}
+        out: dict[str, Any] = {k: v for k, v in self.__dict__.items()
+                               if k not in ("failure", "capability")}
         out["role"], out["state"] = self.role.name, self.state.name
         out["error_code"], out["error"] = self.error_code, self.error
         out["error_type"] = type(self.failure).__name__ if self.failure is not None else ""
@@ -99,6 +103,7 @@ class LeaseInfo:
     expires_in_s: float
     holder: str
     arena_epoch: str = ""
+    capability: str = ""
 
 
 @dataclass(frozen=True)

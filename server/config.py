@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
 from pydantic_settings import (
     BaseSettings,
@@ -39,6 +39,7 @@ from pydantic_settings import (
 
 from kvxfer.errors import InvalidSpecError, KvxferError
 from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolSpec
+from kvxfer.server.dial_policy import LOOPBACK, parse_networks
 from kvxfer.server.limits import MIN_CHUNK_BYTES, Limits
 
 #: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
@@ -182,6 +183,10 @@ class DaemonConfig(BaseSettings):
     peer_allow: list[str] = _setting(
         [], "with TLS, the only peer identities (certificate common or DNS names) admitted; "
             "repeatable (empty: any certificate the CA signed)")
+    dial_allow: list[str] = _setting(
+        list(LOOPBACK), "the only networks (CIDRs or addresses) this daemon dials as peers; a "
+        "pull names its peer, so the address is client input; repeatable (default: loopback "
+        "only; a name must resolve to allowed addresses only)")
     insecure_peer: bool = _setting(
         False, "serve the peer API in plaintext on an address other machines can reach "
                "(without it, a plaintext peer API binds only to loopback)")
@@ -249,6 +254,12 @@ class DaemonConfig(BaseSettings):
     metrics_host: str = _setting(
         "127.0.0.1", "address the metrics port binds (0.0.0.0 in a Kubernetes pod, so that "
                      "Prometheus can scrape it; the metrics carry no secrets)")
+
+    @field_validator("dial_allow")
+    @classmethod
+    def _networks(cls, values: list[str]) -> list[str]:
+        parse_networks(values)
+        return values
 
     @model_validator(mode="before")
     @classmethod

@@ -29,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer.errors import InvalidSpecError
 from kvxfer.server.config import DaemonConfig
+from kvxfer.server.dial_policy import DialPolicy
 from kvxfer.server.interceptors import ErrorMapping, PeerAuthorization, RpcMetrics, TraceContext
 from kvxfer.server.leases import PageLeases
 from kvxfer.server.metrics import DaemonMetrics
@@ -138,7 +139,7 @@ class Daemon:
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
         self.transport: Transport | None = None
-        self._clients = PeerClients(self.metrics, self._tls)
+        self._clients = PeerClients(self.metrics, self._tls, DialPolicy(config.dial_allow))
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None
         self._socket: Path | None = _unix_path(config.worker_address)

@@ -33,6 +33,9 @@ from kvxfer.server.pools import PoolRegistry
 
 log = logging.getLogger("kvxfer.server.leases")
 
+#: Random bytes in a capability (128 bits).
+CAPABILITY_BYTES = 16
+
 
 @dataclass(eq=False)
 class Lease:
@@ -44,6 +47,9 @@ class Lease:
     holder: str
     expires: float
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    #: What an offer of these pages holds (see ``kvxfer.server.transfers``): told only in the
+    #: answer to the Allocate that made the lease.
+    capability: str = field(default_factory=lambda: secrets.token_hex(CAPABILITY_BYTES), repr=False)
 
     def expires_in(self) -> float:
         """Seconds until it expires (0 when past)."""

@@ -25,6 +25,8 @@ MAX_TIMEOUT_S = 3600.0
 MIN_CHUNK_BYTES = 4096
 #: The longest free-text field: an abort's reason, a lease's holder.
 MAX_TEXT_CHARS = 1024
+#: The longest prompt digest (a SHA-256 is 32 bytes; room for a longer hash).
+MAX_DIGEST_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,15 @@ def check_text(what: str, value: str) -> str:
     if len(value) > MAX_TEXT_CHARS:
         raise InvalidRangeError(
             f"{what} has {len(value)} characters; the limit is {MAX_TEXT_CHARS}")
+    return value
+
+
+def check_digest(value: bytes) -> bytes:
+    """``value`` if it is a prompt digest of at most ``MAX_DIGEST_BYTES``; InvalidRangeError
+    otherwise."""
+    if len(value) > MAX_DIGEST_BYTES:
+        raise InvalidRangeError(f"prompt_digest has {len(value)} bytes; the limit is "
+                                f"{MAX_DIGEST_BYTES}")
     return value
 
 

@@ -57,6 +57,9 @@ class DaemonMetrics:
             ["role"], buckets=SECONDS, registry=self.registry)
         self.sizes = Histogram("kvxfer_transfer_size_bytes", "Bytes per transfer, by role",
                                ["role"], buckets=SIZES, registry=self.registry)
+        self.dials_refused = Counter(
+            "kvxfer_dials_refused", "Peer addresses this daemon refused to dial (outside "
+            "--dial-allow)", registry=self.registry)
         self.failures = Counter(
             "kvxfer_transfer_failures", "Transfers that did not end DONE, by role and reason (the "
             "error's wire reason, e.g. PEER_UNAVAILABLE, TRANSFER_DEADLINE_EXCEEDED)",

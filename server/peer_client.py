@@ -23,7 +23,9 @@ from typing import Any
 
 import grpc
 
+from kvxfer.errors import DialNotAllowedError
 from kvxfer.propagation import outgoing_metadata
+from kvxfer.server.dial_policy import LOOPBACK, DialPolicy
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.peer_protocol import (
     Claim,
@@ -157,16 +159,24 @@ class PeerClient:
 class PeerClients:
     """One cached channel (and client) per peer address."""
 
-    def __init__(self, metrics: DaemonMetrics, tls: PeerTls | None = None) -> None:
+    def __init__(self, metrics: DaemonMetrics, tls: PeerTls | None = None,
+                 policy: DialPolicy | None = None) -> None:
         self._metrics = metrics
         self._tls = tls
+        self._policy = policy or DialPolicy(LOOPBACK)
         self._clients: dict[str, PeerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     def get(self, address: str) -> PeerClient:
-        """The client of the peer at ``address`` (host:port), over mutual TLS if configured."""
+        """The client of the peer at ``address`` (host:port), over mutual TLS if configured;
+        DialNotAllowedError (counted) if the dial policy refuses the address."""
         client = self._clients.get(address)
         if client is None:
+            try:
+                self._policy.check(address)
+            except DialNotAllowedError:
+                self._metrics.dials_refused.inc()
+                raise
             if self._tls is None:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             else:

@@ -14,12 +14,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import InvalidRangeError
+from kvxfer.errors import InvalidRangeError, ProtocolVersionError
 from kvxfer.local_copy import ArenaFile
 from kvxfer.pages import PageRuns
-from kvxfer.server.limits import MIN_CHUNK_BYTES, check_id, check_seconds, check_text
+from kvxfer.server.limits import MIN_CHUNK_BYTES, check_digest, check_id, check_seconds, check_text
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_from_proto, runs_to_proto
+
+#: The peer protocol's version: a handshake of another is refused (ProtocolVersionError).
+PEER_PROTOCOL_VERSION = 1
+
+
+def check_version(theirs: int) -> None:
+    """Refuse a peer whose protocol version is not ours, naming both."""
+    if theirs != PEER_PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"the peer speaks peer protocol version {theirs or '0 (before versions)'}; this "
+            f"daemon speaks version {PEER_PROTOCOL_VERSION}: run the same kvxfer release on both")
 
 
 @dataclass(frozen=True)
@@ -84,15 +95,19 @@ class PushRequest:
     reply_to: str
     dst_pool: str
     timeout_s: float
+    capability: str = field(default="", repr=False)
+    prompt_digest: bytes = b""
 
 
 @dataclass(frozen=True)
 class PeerAbort:
-    """One side ended ``transfer_id``; the other should end it too."""
+    """One side ended ``transfer_id``; the other should end it too (before a session claimed
+    it, an offer's ``capability`` says the caller may)."""
 
     transfer_id: str
     session_id: str
     reason: str
+    capability: str = field(default="", repr=False)
 
 
 def hello_to_request(hello: DaemonHello) -> pb.HandshakeRequest:
@@ -105,11 +120,13 @@ def hello_to_request(hello: DaemonHello) -> pb.HandshakeRequest:
         arena_files=[pb.ArenaFile(pool=pool, path=f.path, size_bytes=f.size_bytes,
                                   boot_id=f.boot_id, device=f.device, inode=f.inode)
                      for pool, f in hello.arena_files.items()],
+        protocol_version=PEER_PROTOCOL_VERSION,
     )
 
 
 def hello_from_request(msg: pb.HandshakeRequest) -> DaemonHello:
-    """Decode an opening hello (ids, addresses and descriptors are validated)."""
+    """Decode an opening hello (its version, ids, addresses and descriptors are validated)."""
+    check_version(msg.protocol_version)
     return DaemonHello(
         check_id("session_id", msg.session_id), check_text("ucx_host", msg.ucx_host),
         tuple(msg.ucx_ports) or (msg.ucx_port,), msg.ucx_error_handling, _pools(msg.pools),
@@ -126,12 +143,13 @@ def hello_to_response(hello: DaemonHello) -> pb.HandshakeResponse:
         session_id=hello.session_id, ucx_host=hello.ucx_host, ucx_port=hello.ucx_ports[0],
         ucx_ports=hello.ucx_ports, ucx_error_handling=hello.ucx_error_handling,
         pools=[descriptor_to_proto(d) for d in hello.pools.values()],
-        reads_locally=hello.reads_locally,
+        reads_locally=hello.reads_locally, protocol_version=PEER_PROTOCOL_VERSION,
     )
 
 
 def hello_from_response(msg: pb.HandshakeResponse) -> DaemonHello:
-    """Decode an accepting hello (descriptors are validated)."""
+    """Decode an accepting hello (its version and descriptors are validated)."""
+    check_version(msg.protocol_version)
     return DaemonHello(msg.session_id, msg.ucx_host, tuple(msg.ucx_ports) or (msg.ucx_port,),
                        msg.ucx_error_handling, _pools(msg.pools),
                        reads_locally=msg.reads_locally)
@@ -189,7 +207,9 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
 def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
     """A push request as its message."""
     return pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
-                                 dst_pool=request.dst_pool, timeout_s=request.timeout_s)
+                                 dst_pool=request.dst_pool, timeout_s=request.timeout_s,
+                                 capability=request.capability,
+                                 prompt_digest=request.prompt_digest)
 
 
 def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
@@ -197,16 +217,18 @@ def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
     if not msg.reply_to:
         raise InvalidRangeError("reply_to is empty; expected the puller's peer address host:port")
     return PushRequest(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
-                       msg.dst_pool, check_seconds("timeout_s", msg.timeout_s))
+                       msg.dst_pool, check_seconds("timeout_s", msg.timeout_s),
+                       check_text("capability", msg.capability),
+                       check_digest(msg.prompt_digest))
 
 
 def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:
     """An abort as its message."""
     return pb.AbortTransferRequest(transfer_id=abort.transfer_id, session_id=abort.session_id,
-                                   reason=abort.reason)
+                                   reason=abort.reason, capability=abort.capability)
 
 
 def abort_from_proto(msg: pb.AbortTransferRequest) -> PeerAbort:
     """Decode an abort (an empty session id: the transfer was not claimed yet)."""
     return PeerAbort(check_id("transfer_id", msg.transfer_id), check_text("session_id", msg.session_id),
-                     check_text("reason", msg.reason))
+                     check_text("reason", msg.reason), check_text("capability", msg.capability))

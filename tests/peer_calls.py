@@ -48,7 +48,7 @@ class PeerAs:
         self._closed = threading.Event()
 
     def open_session(self, session_id: str) -> str:
-        self.stub.Handshake(pb.HandshakeRequest(
+        self.stub.Handshake(pb.HandshakeRequest(protocol_version=1,
             session_id=session_id, ucx_host="127.0.0.1", ucx_ports=[1], ucx_error_handling=True,
             pools=[self._pool], peer_address="127.0.0.1:1"), timeout=5)
         self._watches.append(self.stub.Watch(beats(session_id, self._closed)))
@@ -63,9 +63,17 @@ class PeerAs:
     def claim(self, transfer_id: str, session_id: str, runs: PageRuns) -> pb.ClaimResponse:
         return self.stub.Claim(self.claim_request(transfer_id, session_id, runs), timeout=10)
 
-    def abort(self, transfer_id: str, session_id: str) -> None:
+    def abort(self, transfer_id: str, session_id: str, capability: str = "") -> None:
         self.stub.AbortTransfer(pb.AbortTransferRequest(
-            transfer_id=transfer_id, session_id=session_id, reason=f"by {session_id}"), timeout=5)
+            transfer_id=transfer_id, session_id=session_id, reason=f"by {session_id}",
+            capability=capability), timeout=5)
+
+    def request_push(self, transfer_id: str, capability: str = "") -> None:
+        """Ask for an offer to be pushed to an address nobody listens at (nothing is sent
+        unless the request is accepted)."""
+        self.stub.RequestPush(pb.RequestPushRequest(
+            transfer_id=transfer_id, reply_to="127.0.0.1:1", dst_pool=self._pool.name,
+            timeout_s=5, capability=capability), timeout=5)
 
     def close(self) -> None:
         self._closed.set()

@@ -127,7 +127,8 @@ def test_a_hundred_leased_transfers_leak_no_page(spawn) -> None:
             before = dst.raw.clone()
             p.offer(f"req-{i}", "kv", out.runs, timeout_s=30, lease_id=out.lease_id,
                     release_lease=True)
-            d.pull(f"req-{i}", peer, "kv", inn.runs, timeout_s=30, lease_id=inn.lease_id)
+            d.pull(f"req-{i}", peer, "kv", inn.runs, timeout_s=30, lease_id=inn.lease_id,
+                   capability=out.capability)
             assert d.wait(f"req-{i}").ok and p.wait(f"req-{i}").ok
             assert_moved(src, dst, out.runs, inn.runs, before)
             d.release(inn.lease_id)

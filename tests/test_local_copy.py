@@ -118,7 +118,7 @@ class _FileSender:
         self.session = "local-file-sender"
         info = path.stat()
         self._stop = threading.Event()
-        hello = self.stub.Handshake(pb.HandshakeRequest(
+        hello = self.stub.Handshake(pb.HandshakeRequest(protocol_version=1,
             session_id=self.session, ucx_host="127.0.0.1", ucx_ports=[1], ucx_error_handling=True,
             pools=[descriptor], peer_address="127.0.0.1:1",
             arena_files=[pb.ArenaFile(pool="kv", path=str(path), size_bytes=info.st_size,

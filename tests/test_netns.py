@@ -88,11 +88,13 @@ def two_hosts() -> Iterator[tuple[Host, Host]]:
 
 
 def namespaced_daemon(name: str, host: Host, workdir: Path) -> LocalDaemon:
-    """A daemon on ``host``'s address, its peer API over mutual TLS (``workdir/tls``)."""
+    """A daemon on ``host``'s address, its peer API over mutual TLS (``workdir/tls``), that
+    may dial the other end of the veth (its /30) and nothing else."""
     return LocalDaemon(
         name, [POOL], workdir=str(workdir / name), host=host.address,
         command_prefix=host.exec_prefix(), tls=workdir / "tls",
         env={"UCX_NET_DEVICES": host.device, "UCX_TLS": "tcp"},
+        extra_args=["--dial-allow", f"{host.address}/30"],
     )
 
 
@@ -118,8 +120,9 @@ def test_push_and_pull_across_a_veth_link(two_hosts, tmp_path: Path) -> None:
 
             src_runs, dst_runs = standard_runs(22, num_pages=128, pages=16)
             before = dst.raw.clone()
-            p.offer("veth-pull", "kv", src_runs, timeout_s=60, verify=True)
-            d.pull("veth-pull", pre.peer_address, "kv", dst_runs, timeout_s=60)
+            offered = p.offer("veth-pull", "kv", src_runs, timeout_s=60, verify=True)
+            d.pull("veth-pull", pre.peer_address, "kv", dst_runs, timeout_s=60,
+                   capability=offered.capability)
             sent, got = p.wait("veth-pull", timeout_s=60), d.wait("veth-pull", timeout_s=60)
             assert sent.ok and got.ok, (sent.error, got.error)
             assert_moved(src, dst, src_runs, dst_runs, before)

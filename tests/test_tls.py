@@ -120,7 +120,7 @@ def attempt_everything(channel: grpc.Channel) -> list[grpc.StatusCode]:
         code(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=5)),
         code(lambda: list(reflect.ServerReflectionInfo(
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))),
-        code(lambda: peer.Handshake(pb.HandshakeRequest(
+        code(lambda: peer.Handshake(pb.HandshakeRequest(protocol_version=1,
             session_id="evil", ucx_host="127.0.0.1", ucx_ports=[1]), timeout=5)),
         code(lambda: peer.AbortTransfer(pb.AbortTransferRequest(
             transfer_id="guarded", session_id="evil", reason="attacker"), timeout=5)),
@@ -208,3 +208,43 @@ def test_an_authenticated_peer_cannot_touch_another_sessions_or_peers_transfer(
         sent, got = p.wait("named", timeout_s=60), d.wait("named", timeout_s=60)
         assert sent.ok and got.ok and got.verified, (sent.error, got.error)
         assert_moved(src, dst, src_runs, dst_runs, before)
+
+
+def test_an_admitted_peer_without_the_capability_cannot_pull_or_abort_an_offer(
+        spawn, tmp_path: Path, caplog) -> None:
+    """vLLM's offers name no peer identity: mutual TLS admits eve, but without the offer's
+    capability she can neither pull nor abort it, nor pre-abort an id not offered yet; each
+    answer is the same NOT_FOUND as for an id that does not exist. The capability appears in
+    no log line. The rightful pull then moves the pages byte-exact."""
+    ca = tmp_path / "ca"
+    issue_certs(ca, ["prefill", "decode", "eve"])
+    pre = spawn("prefill", [POOL], tls=ca, log_level="info")
+    dec = spawn("decode", [POOL], tls=ca)
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 12)
+        src_runs, dst_runs = standard_runs(12, num_pages=56, pages=16)
+        before = dst.raw.clone()
+        offered = p.offer("vllm-like", "kv", src_runs, timeout_s=60, verify=True)
+        eve = PeerAs(pre, ca, "eve", descriptor_to_proto(p.describe("kv")[0]))
+        try:
+            answers = [refused(eve.request_push, "vllm-like"),
+                       refused(eve.request_push, "vllm-like", "0" * 32),
+                       refused(eve.abort, "vllm-like", ""),
+                       refused(eve.abort, "vllm-like", "", "f" * 32),
+                       refused(eve.abort, "not-offered-yet", ""),
+                       refused(eve.request_push, "no-such-id", offered.capability)]
+        finally:
+            eve.close()
+        for code, message in answers:
+            assert code == grpc.StatusCode.NOT_FOUND and message.endswith("offered here to this caller")
+        assert {m.split("'")[2] for _, m in answers} == {" is offered here to this caller"}
+        assert p.transfers()[0].state.name == "WAITING"
+        p.offer("not-offered-yet", "kv", PageRuns.of([(60, 1)]), timeout_s=60)
+        got = d.pull("vllm-like", pre.peer_address, "kv", dst_runs, timeout_s=60,
+                     capability=offered.capability, wait=True)
+        assert got.ok and got.verified, got.error
+        assert_moved(src, dst, src_runs, dst_runs, before)
+        assert {t.transfer_id: t.state.name for t in p.transfers()}["not-offered-yet"] == "WAITING"
+    assert offered.capability not in pre.log() and offered.capability not in dec.log()
+    assert "request-push transfer='vllm-like'" in pre.log()  # audited, capability left out

@@ -110,9 +110,10 @@ def test_one_push_is_one_trace_across_both_daemons(daemons, exporter) -> None:
 def test_a_pull_joins_the_decode_engines_trace_on_the_prefill_daemon(daemons, exporter) -> None:
     pre, dec, p, d = daemons
     engine = trace.get_tracer("an engine")
-    p.offer("traced-pull", "kv", RUNS, timeout_s=10, verify=False)
+    offered = p.offer("traced-pull", "kv", RUNS, timeout_s=10, verify=False)
     with engine.start_as_current_span("decode request") as request:
-        d.pull("traced-pull", pre.peer_address, "kv", DST, timeout_s=10)
+        d.pull("traced-pull", pre.peer_address, "kv", DST, timeout_s=10,
+               capability=offered.capability)
     assert d.wait("traced-pull").state == TransferState.DONE
     assert p.wait("traced-pull").state == TransferState.DONE
 

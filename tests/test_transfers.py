@@ -18,6 +18,7 @@ from pool_checks import assert_moved, fill_random, standard_runs
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
+from kvxfer.errors import TransferNotFoundError
 from kvxfer.pages import PageRuns
 from kvxfer.server.transfers.receiver import FAULT_CORRUPT_ENV
 from kvxfer.status import TransferState
@@ -80,22 +81,30 @@ def test_push_before_expect_waits_for_the_expect(pair) -> None:
     assert_moved(src, dst, src_runs, dst_runs, before)
 
 
-@pytest.mark.parametrize("offer_first", [True, False])
-def test_pull_in_either_order(pair, offer_first: bool) -> None:
+def test_a_pull_presents_the_offers_capability_once(pair) -> None:
+    """The offer's answer holds a capability; a pull presenting it moves the pages. A pull
+    before the offer, with a wrong capability, or with a spent one fails NOT_FOUND at
+    once, all with the same message, and no byte of the destination changes."""
     pre, dec, p, d, src, dst = pair
-    tid = f"pull-{offer_first}"
     src_runs, dst_runs = PageRuns.of([(40, 4), (2, 2)]), PageRuns.of([(200, 6)])
     before = dst.raw.clone()
-    if offer_first:
-        p.offer(tid, "kv", src_runs, timeout_s=30, verify=True)
-        d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30)
-    else:
-        d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30)
-        time.sleep(0.3)
-        p.offer(tid, "kv", src_runs, timeout_s=30, verify=True)
-    got, sent = d.wait(tid), p.wait(tid)
-    assert got.ok and sent.ok and got.verified, (got.error, sent.error)
+    early = d.pull("not-yet", pre.peer_address, "kv", dst_runs, timeout_s=30, capability="0" * 32,
+                   wait=True)
+    offered = p.offer("real", "kv", src_runs, timeout_s=30, verify=True)
+    assert len(offered.capability) == 32 and not p.transfers()[-1].capability  # never listed
+    wrong = d.pull("real", pre.peer_address, "kv", dst_runs, timeout_s=30,
+                   capability="f" * 32, wait=True)
+    got = d.pull("real", pre.peer_address, "kv", dst_runs, timeout_s=30,
+                 capability=offered.capability, wait=True)
+    assert got.ok and p.wait("real").ok and got.verified, got.error
     assert_moved(src, dst, src_runs, dst_runs, before)
+    moved = dst.raw.clone()
+    again = d.pull("real", pre.peer_address, "kv", PageRuns.of([(210, 6)]), timeout_s=30,
+                   capability=offered.capability, wait=True)
+    for refused in (early, wrong, again):
+        assert isinstance(refused.failure, TransferNotFoundError), refused.error
+        assert refused.error.endswith("is offered here to this caller") and refused.seconds < 5
+    assert torch.equal(dst.raw, moved)
 
 
 def test_verbs_sent_with_wait_answer_with_the_final_status(pair) -> None:
@@ -111,9 +120,13 @@ def test_verbs_sent_with_wait_answer_with_the_final_status(pair) -> None:
                 sent = p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30,
                               verify=True, wait=True)
                 got = receiving.result(35)
-            else:
-                sending = other_side.submit(p.offer, tid, "kv", src_runs, 30, True, wait=True)
-                got = d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30, wait=True)
+            else:  # the lease's capability lets the pull go out with the offer
+                lease = p.allocate("kv", src_runs.num_pages)
+                sending = other_side.submit(p.offer, tid, "kv", lease.runs, 30, True,
+                                            lease_id=lease.lease_id, release_lease=True, wait=True)
+                src_runs = lease.runs
+                got = d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30,
+                             capability=lease.capability, wait=True)
                 sent = sending.result(35)
             assert sent.state == got.state == TransferState.DONE, (sent.error, got.error)
             assert got.verified
@@ -233,7 +246,7 @@ def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair, pee
     d.expect("ghost-pool", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
     with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
-        peer.Handshake(pb.HandshakeRequest(session_id="no-pools", ucx_host="127.0.0.1",
+        peer.Handshake(pb.HandshakeRequest(protocol_version=1, session_id="no-pools", ucx_host="127.0.0.1",
                                            ucx_port=1, ucx_error_handling=True,
                                            peer_address="127.0.0.1:1"), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
@@ -255,7 +268,7 @@ def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair, peer_cha
     descriptor, _ = p.describe("kv")
     with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
-        peer.Handshake(pb.HandshakeRequest(session_id="greedy", ucx_host="127.0.0.1", ucx_port=1,
+        peer.Handshake(pb.HandshakeRequest(protocol_version=1, session_id="greedy", ucx_host="127.0.0.1", ucx_port=1,
                                            ucx_error_handling=True, pools=[descriptor_to_proto(descriptor)],
                                            peer_address="127.0.0.1:1"), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
@@ -299,14 +312,17 @@ def test_receiver_abort_ends_the_sender(pair) -> None:
     assert sent.state == TransferState.ABORTED and "request cancelled" in sent.error
 
 
-def test_sender_abort_ends_the_receiver(pair) -> None:
+def test_an_abort_for_an_id_not_registered_is_not_remembered(pair) -> None:
+    """A peer's abort of an id the receiver does not know is NOT_FOUND, and a later
+    registration of that id is not ended by it (nobody can pre-abort another's transfer)."""
     pre, dec, p, d, src, dst = pair
-    p.push("abort-s", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
+    p.push("abort-early", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
     time.sleep(0.3)  # the push now waits in Claim for an expect that has not come
-    assert p.abort("abort-s", "prefill cancelled").state == TransferState.ABORTED
+    assert p.abort("abort-early", "prefill cancelled").state == TransferState.ABORTED
     time.sleep(0.3)
-    got = d.expect("abort-s", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
-    assert got.state == TransferState.ABORTED and "prefill cancelled" in got.error
+    later = d.expect("abort-early", "kv", PageRuns.of([(0, 2)]), timeout_s=1)
+    assert later.state == TransferState.WAITING
+    assert d.wait("abort-early", timeout_s=10).state == TransferState.DEADLINE_EXCEEDED
 
 
 def test_abort_mid_transfer_ends_both_sides(pair) -> None:
@@ -436,7 +452,7 @@ def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(sp
         p.push("watched-1", "kv", runs, peer=dec.peer_address, timeout_s=20)
         assert p.wait("watched-1").ok and d.wait("watched-1").ok
         peer = pb_grpc.KvxferPeerStub(channel)
-        peer.Handshake(pb.HandshakeRequest(session_id="never-watched", ucx_host="127.0.0.1",
+        peer.Handshake(pb.HandshakeRequest(protocol_version=1, session_id="never-watched", ucx_host="127.0.0.1",
                                            ucx_port=1, ucx_error_handling=True,
                                            peer_address="127.0.0.1:1"), timeout=10)
         assert metric(port, sessions) == 2

@@ -33,12 +33,20 @@ NUM_BLOCKS = 16
 
 @dataclass
 class Request:
-    """The attributes of vLLM's Request the connector reads."""
+    """The attributes of vLLM's Request the connector reads (the prompt's token ids are
+    ``0..num_prompt_tokens-1`` shifted by ``seed``)."""
 
     request_id: str
     num_prompt_tokens: int
     kv_transfer_params: dict[str, Any] | None = None
     status: Any = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+    seed: int = 0
+    cache_salt: str | None = None
+    prompt_embeds: Any = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return [self.seed + i for i in range(self.num_prompt_tokens)]
 
 
 def kv_caches(seed: int) -> dict[str, torch.Tensor]:
@@ -101,7 +109,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_d.bind(sched_d.build_plan({}, lambda _: []))
         work_d.start_load_kv()
         wait_finished(work_d, "d1")
-        assert work_d.take_load_errors() == set()
+        assert work_d.take_failed() == set()
         for name in kv_d:
             expected = decode_before[name].clone()
             expected[[1, 2, 5]] = kv_p[name][[3, 7, 9]]
@@ -114,7 +122,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
 
 def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:
     theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "vllm_version": "0.31.0"})
-    params = RemotePrefill("P/x", "127.0.0.1:1", theirs).to_params()
+    params = RemotePrefill("P/x", "127.0.0.1:1", ("0" * 32,), theirs).to_params()
     sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
     req = Request("x", 40, params)
@@ -140,7 +148,7 @@ class PendingLoad:
 
 def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
     """Start loading a 64-token prompt into blocks 8 and 9 that nobody will ever send."""
-    params = RemotePrefill("P/never-offered", pre.peer_address, LAYOUT).to_params()
+    params = RemotePrefill("P/never-offered", pre.peer_address, ("0" * 32,), LAYOUT).to_params()
     sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
     worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
@@ -167,7 +175,7 @@ def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_un
         [info] = d.transfers()
         assert info.state.name == "ABORTED" and "its request ended" in info.error
         assert d.leased_pages() == {"kv": 0}
-    assert load.worker.get_finished() == {"gone"} and load.worker.take_load_errors() == set()
+    assert load.worker.get_finished() == {"gone"} and load.worker.take_failed() == set()
     assert load.worker.get_finished() == set()
     assert load.untouched()
     load.worker.shutdown()
@@ -180,7 +188,7 @@ def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, mon
     dec.kill()
     assert load.worker.get_finished() == set()  # the daemon does not answer: the load waits
     time.sleep(1.1)
-    assert load.worker.get_finished() == {"orphan"} and load.worker.take_load_errors() == {8, 9}
+    assert load.worker.get_finished() == {"orphan"} and load.worker.take_failed() == {"orphan"}
     assert load.untouched()
     load.worker.shutdown()
 

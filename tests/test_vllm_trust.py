@@ -34,9 +34,9 @@ class Engines:
     kv_p: dict[str, torch.Tensor]
     kv_d: dict[str, torch.Tensor]
 
-    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[int]]:
+    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
         """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
-        ``dst``: whether every layer's blocks arrived equal, and the blocks reported invalid."""
+        ``dst``: whether every layer's blocks arrived equal, and the loads reported failed."""
         tokens = 32 * len(src)
         req = Request(f"{name}-p", tokens, {"do_remote_decode": True})
         self.sched_p.update_state_after_alloc(req, src, 0)
@@ -53,7 +53,7 @@ class Engines:
         self.work_d.bind(self.sched_d.build_plan({}, lambda _: []))
         self.work_d.start_load_kv()
         wait_finished(self.work_d, dreq.request_id, timeout_s=30)
-        errors = self.work_d.take_load_errors()
+        errors = self.work_d.take_failed()
         equal = all(torch.equal(self.kv_d[k][dst], self.kv_p[k][src]) for k in self.kv_p)
         return equal, errors
 
@@ -124,7 +124,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines) -> Non
     """Its transfer died with the daemon: the load fails at the next step, not its deadline."""
     params = {"do_remote_prefill": True, "do_remote_decode": False,
               "kvxfer": {"version": 1, "transfer_id": "P/never", "peer": engines.pre.peer_address,
-                         "layout": LAYOUT.as_dict()}}
+                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict()}}
     dreq = Request("orphan", 64, params)
     assert engines.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
     engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
@@ -133,7 +133,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines) -> Non
     assert engines.work_d.get_finished() == set()
     engines.dec.restart()
     assert engines.work_d.get_finished() == {"orphan"}
-    assert engines.work_d.take_load_errors() == {8, 9}
+    assert engines.work_d.take_failed() == {"orphan"}
 
 
 def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:

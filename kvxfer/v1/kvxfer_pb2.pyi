@@ -498,6 +498,7 @@ class TransferStatus(_message.Message):
     DATA_SECONDS_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     role: Global___TransferRole.ValueType
     state: Global___TransferState.ValueType
@@ -518,6 +519,10 @@ class TransferStatus(_message.Message):
     """UCX data lanes the chunks were spread over (0 before they were)"""
     timeout_s: _builtins.float
     """its deadline, from when it was registered"""
+    capability: _builtins.str
+    """Only in the answer to the Offer that registered it: the secret a pull of it must
+    present (see PullRequest.capability). Never listed, never logged.
+    """
     @_builtins.property
     def error(self) -> _status_pb2.Status:
         """Why the transfer did not succeed (unset when it did, or has not ended): the
@@ -544,10 +549,11 @@ class TransferStatus(_message.Message):
         data_seconds: _builtins.float = ...,
         lanes: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_done", b"bytes_done", "created_unix", b"created_unix", "data_seconds", b"data_seconds", "error", b"error", "extents", b"extents", "lanes", b"lanes", "pages", b"pages", "peer", b"peer", "pool", b"pool", "role", b"role", "seconds", b"seconds", "state", b"state", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verified", b"verified"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "bytes_done", b"bytes_done", "capability", b"capability", "created_unix", b"created_unix", "data_seconds", b"data_seconds", "error", b"error", "extents", b"extents", "lanes", b"lanes", "pages", b"pages", "peer", b"peer", "pool", b"pool", "role", b"role", "seconds", b"seconds", "state", b"state", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verified", b"verified"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -808,6 +814,10 @@ Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
 
 @_typing.final
 class OfferRequest(_message.Message):
+    """Every offer holds a capability: the lease's when it names one (see Lease.capability),
+    else one minted now and answered in TransferStatus.capability. A pull must present it.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
@@ -818,6 +828,7 @@ class OfferRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     PEER_IDENTITY_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
+    PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     timeout_s: _builtins.float
@@ -826,6 +837,8 @@ class OfferRequest(_message.Message):
     """only this peer (certificate name) may pull it; empty: any admitted"""
     wait: _builtins.bool
     """answer once the transfer is final, with its final status"""
+    prompt_digest: _builtins.bytes
+    """what the KV was computed from (a pull must present the same)"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -841,10 +854,11 @@ class OfferRequest(_message.Message):
         lease: Global___LeaseUse | None = ...,
         peer_identity: _builtins.str = ...,
         wait: _builtins.bool = ...,
+        prompt_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -862,6 +876,8 @@ class PullRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     PEER_IDENTITY_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
@@ -871,6 +887,10 @@ class PullRequest(_message.Message):
     """the prefill daemon's certificate name: only it may fill it"""
     wait: _builtins.bool
     """answer once the transfer is final, with its final status"""
+    capability: _builtins.str
+    """the offer's capability (single use)"""
+    prompt_digest: _builtins.bytes
+    """must equal the offer's (empty: the offer's must be empty too)"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -886,10 +906,12 @@ class PullRequest(_message.Message):
         lease: Global___LeaseUse | None = ...,
         peer_identity: _builtins.str = ...,
         wait: _builtins.bool = ...,
+        capability: _builtins.str = ...,
+        prompt_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1082,12 +1104,15 @@ class Lease(_message.Message):
     EXPIRES_IN_S_FIELD_NUMBER: _builtins.int
     HOLDER_FIELD_NUMBER: _builtins.int
     ARENA_EPOCH_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     pool: _builtins.str
     expires_in_s: _builtins.float
     holder: _builtins.str
     arena_epoch: _builtins.str
     """the memory epoch of the pool's arena (see MemoryHandle)"""
+    capability: _builtins.str
+    """only in Allocate's answer: what an offer of these pages holds"""
     @_builtins.property
     def runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
@@ -1099,10 +1124,11 @@ class Lease(_message.Message):
         expires_in_s: _builtins.float = ...,
         holder: _builtins.str = ...,
         arena_epoch: _builtins.str = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_epoch", b"arena_epoch", "expires_in_s", b"expires_in_s", "holder", b"holder", "lease_id", b"lease_id", "pool", b"pool", "runs", b"runs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_epoch", b"arena_epoch", "capability", b"capability", "expires_in_s", b"expires_in_s", "holder", b"holder", "lease_id", b"lease_id", "pool", b"pool", "runs", b"runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1256,12 +1282,15 @@ class HandshakeRequest(_message.Message):
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     UCX_PORTS_FIELD_NUMBER: _builtins.int
     ARENA_FILES_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ucx_host: _builtins.str
     ucx_port: _builtins.int
     ucx_error_handling: _builtins.bool
     peer_address: _builtins.str
     """where the caller serves KvxferPeer (for aborts)"""
+    protocol_version: _builtins.int
+    """the peer protocol's version (1); another is refused"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolDescriptor]:
         """every pool the caller serves: Claims name one of them"""
@@ -1287,10 +1316,11 @@ class HandshakeRequest(_message.Message):
         peer_address: _builtins.str = ...,
         ucx_ports: _abc.Iterable[_builtins.int] | None = ...,
         arena_files: _abc.Iterable[Global___ArenaFile] | None = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_files", b"arena_files", "peer_address", b"peer_address", "pools", b"pools", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arena_files", b"arena_files", "peer_address", b"peer_address", "pools", b"pools", "protocol_version", b"protocol_version", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1344,12 +1374,15 @@ class HandshakeResponse(_message.Message):
     POOLS_FIELD_NUMBER: _builtins.int
     UCX_PORTS_FIELD_NUMBER: _builtins.int
     READS_LOCALLY_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     ucx_host: _builtins.str
     ucx_port: _builtins.int
     ucx_error_handling: _builtins.bool
     reads_locally: _builtins.bool
     """the receiver mapped the caller's arena files: it copies itself"""
+    protocol_version: _builtins.int
+    """the answering daemon's peer protocol version"""
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolDescriptor]: ...
     @_builtins.property
@@ -1366,10 +1399,11 @@ class HandshakeResponse(_message.Message):
         pools: _abc.Iterable[Global___PoolDescriptor] | None = ...,
         ucx_ports: _abc.Iterable[_builtins.int] | None = ...,
         reads_locally: _builtins.bool = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "reads_locally", b"reads_locally", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pools", b"pools", "protocol_version", b"protocol_version", "reads_locally", b"reads_locally", "session_id", b"session_id", "ucx_error_handling", b"ucx_error_handling", "ucx_host", b"ucx_host", "ucx_port", b"ucx_port", "ucx_ports", b"ucx_ports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1545,6 +1579,8 @@ Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
 class RequestPushRequest(_message.Message):
     """Pull: the receiver asks the sender to push transfer_id to it. The sender
     waits (up to timeout_s) for the matching Offer, then pushes to reply_to.
+    An offer that is not registered here, or whose capability differs or was presented
+    before, is NOT_FOUND at once, all with the same message.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1553,11 +1589,17 @@ class RequestPushRequest(_message.Message):
     REPLY_TO_FIELD_NUMBER: _builtins.int
     DST_POOL_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     reply_to: _builtins.str
     """the receiver's peer address"""
     dst_pool: _builtins.str
     timeout_s: _builtins.float
+    capability: _builtins.str
+    """the offer's capability, compared in constant time"""
+    prompt_digest: _builtins.bytes
+    """the puller's prompt digest: must equal the offer's"""
     def __init__(
         self,
         *,
@@ -1565,10 +1607,12 @@ class RequestPushRequest(_message.Message):
         reply_to: _builtins.str = ...,
         dst_pool: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
+        capability: _builtins.str = ...,
+        prompt_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_pool", b"dst_pool", "reply_to", b"reply_to", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_pool", b"dst_pool", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1591,24 +1635,31 @@ Global___RequestPushResponse: _TypeAlias = RequestPushResponse  # noqa: Y015
 
 @_typing.final
 class AbortTransferRequest(_message.Message):
+    """Before a session claimed it, an offer is aborted only with its capability (an unknown
+    id is NOT_FOUND, and is not remembered).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     session_id: _builtins.str
     reason: _builtins.str
+    capability: _builtins.str
     def __init__(
         self,
         *,
         transfer_id: _builtins.str = ...,
         session_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "session_id", b"session_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "reason", b"reason", "session_id", b"session_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -187,13 +187,13 @@ def lease_to_proto(lease: LeaseInfo) -> pb.Lease:
     """A page lease as its message."""
     return pb.Lease(lease_id=lease.lease_id, pool=lease.pool, runs=runs_to_proto(lease.runs),
                     expires_in_s=lease.expires_in_s, holder=lease.holder,
-                    arena_epoch=lease.arena_epoch)
+                    arena_epoch=lease.arena_epoch, capability=lease.capability)
 
 
 def lease_from_proto(msg: pb.Lease) -> LeaseInfo:
     """A lease from its message."""
     return LeaseInfo(msg.lease_id, msg.pool, runs_from_proto(msg.runs), msg.expires_in_s,
-                     msg.holder, msg.arena_epoch)
+                     msg.holder, msg.arena_epoch, msg.capability)
 
 
 # -- transfer status ---------------------------------------------------------------------
@@ -221,5 +221,5 @@ def info_from_proto(msg: pb.TransferStatus) -> TransferInfo:
         extents=msg.extents, seconds=msg.seconds,
         failure=from_status(msg.error) if msg.HasField("error") else None,
         verified=msg.verified, created_unix=msg.created_unix, data_seconds=msg.data_seconds,
-        lanes=msg.lanes, timeout_s=msg.timeout_s,
+        lanes=msg.lanes, timeout_s=msg.timeout_s, capability=msg.capability,
     )

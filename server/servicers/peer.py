@@ -106,7 +106,7 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         caller = Caller.of(context)
         with _audited(caller, "request-push", request.transfer_id, ""):
             push = push_request_from_proto(request)
-            await self._transfers.request_push(push, _wait_s(push.timeout_s, context), caller)
+            self._transfers.request_push(push, caller)
         return pb.RequestPushResponse()
 
     async def AbortTransfer(self, request: pb.AbortTransferRequest,

@@ -39,9 +39,11 @@ class WorkerService(pb_grpc.KvxferServicer):
         self._transfers = transfers
         self._leases: PageLeases = transfers.leases
 
-    def _lease_to_proto(self, lease: Lease) -> pb.Lease:
+    def _lease_to_proto(self, lease: Lease, *, granted: bool = False) -> pb.Lease:
+        """A lease as its message; its capability only when ``granted`` (Allocate's answer)."""
         return lease_to_proto(LeaseInfo(lease.id, lease.pool, lease.runs, lease.expires_in(),
-                                        lease.holder, self._pools.epoch))
+                                        lease.holder, self._pools.epoch,
+                                        lease.capability if granted else ""))
 
     def _pool_info(self, pool: Pool) -> pb.PoolInfo:
         return pb.PoolInfo(descriptor=descriptor_to_proto(pool.descriptor),
@@ -86,13 +88,17 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.offer(request.transfer_id, request.pool,
                                   runs_from_proto(request.src_runs), request.timeout_s,
-                                  request.verify, _lease(request.lease), request.peer_identity)
-        return await self._answer(t, request.wait)
+                                  request.verify, _lease(request.lease), request.peer_identity,
+                                  request.prompt_digest)
+        answer = await self._answer(t, request.wait)
+        answer.capability = t.capability
+        return answer
 
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
                                  runs_from_proto(request.dst_runs), request.timeout_s,
-                                 _lease(request.lease), request.peer_identity)
+                                 _lease(request.lease), request.peer_identity,
+                                 request.capability, request.prompt_digest)
         return await self._answer(t, request.wait)
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:
@@ -115,7 +121,7 @@ class WorkerService(pb_grpc.KvxferServicer):
 
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.Lease:
         lease = self._leases.allocate(request.pool, request.pages, request.lease_s, request.holder)
-        return self._lease_to_proto(lease)
+        return self._lease_to_proto(lease, granted=True)
 
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
         self._leases.release(request.lease_id)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +29,13 @@ from kvxfer.errors import (
     TransferDeadlineError,
 )
 from kvxfer.pages import PageRuns
-from kvxfer.server.leases import PageLeases
-from kvxfer.server.limits import check_seconds, check_text
+from kvxfer.server.leases import CAPABILITY_BYTES, PageLeases
+from kvxfer.server.limits import check_digest, check_seconds, check_text
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
+from kvxfer.server.transfers.capability import not_offered, presents
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -117,21 +119,33 @@ class TransferCoordinator:
         return t
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float,
-              verify: bool, lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
+              verify: bool, lease: LeaseUse = NO_LEASE, peer_identity: str = "",
+              prompt_digest: bytes = b"") -> Transfer:
         """Make source pages available for the ``pull`` of the peer named ``peer_identity``
-        (empty: of any admitted peer) (prefill side)."""
-        return self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
-                              verify=verify, disjoint=False, lease=lease,
-                              peer_identity=peer_identity)
+        (empty: of any admitted peer) that presents the offer's capability (the lease's, or
+        one minted now) and ``prompt_digest`` (prefill side)."""
+        check_digest(prompt_digest)
+        t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
+                           verify=verify, disjoint=False, lease=lease,
+                           peer_identity=peer_identity)
+        t.capability = (self.leases.get(lease.lease_id).capability if lease.lease_id
+                        else secrets.token_hex(CAPABILITY_BYTES))
+        t.prompt_digest = prompt_digest
+        return t
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
-             timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
-        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side);
-        with ``peer_identity``, only that peer's session may fill it."""
+             timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "",
+             capability: str = "", prompt_digest: bytes = b"") -> Transfer:
+        """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side),
+        presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
+        computed from; with ``peer_identity``, only that peer's session may fill it."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
+        check_text("capability", capability)
+        check_digest(prompt_digest)
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
                            peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity)
+        t.capability, t.prompt_digest = capability, prompt_digest
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -213,23 +227,28 @@ class TransferCoordinator:
         """A verifying sender hands over its checksums; the final status."""
         return await self._receiver.commit(commit, caller)
 
-    async def request_push(self, request: PushRequest, wait_s: float, caller: Caller) -> None:
-        """A puller asks us to push an offered transfer."""
-        await self._sender.accept_push_request(
-            request, wait_s or self.registry.default_timeout_s, caller)
+    def request_push(self, request: PushRequest, caller: Caller) -> None:
+        """A puller asks us to push an offered transfer (see ``Sender.accept_push_request``)."""
+        self._sender.accept_push_request(request, caller)
 
     def abort_from_peer(self, abort: PeerAbort, caller: Caller) -> None:
-        """``caller`` ended a transfer; end our side too (or remember it, if not yet here).
+        """``caller`` ended a transfer; end our side too.
 
-        A claimed transfer may be aborted only through the session that claimed it;
-        an unclaimed one only by the peer it names (any admitted peer if it names
-        none). Anything else is PeerNotAllowedError and changes nothing.
+        A claimed transfer may be aborted only through the session that claimed it. An
+        unclaimed offer only by a caller presenting its capability (and, if it names a peer,
+        that peer): anything else, and an id not registered here, is NOT_FOUND with the
+        same message, and nothing is remembered. An unclaimed expect or pull only by the
+        peer it names (any admitted peer if it names none). Anything else is
+        PeerNotAllowedError and changes nothing.
         """
         t = self.registry.find(abort.transfer_id)
         reason = abort.reason or "no reason given"
         if t is None:
-            self.registry.remember_early_abort(abort.transfer_id, reason, caller.names)
-            return
+            raise not_offered(abort.transfer_id)
+        if t.role == TransferRole.SENDER and t.capability and not t.session_id:
+            if not (presents(abort.capability, t.capability)
+                    and (not t.peer_identity or caller.is_named(t.peer_identity))):
+                raise not_offered(abort.transfer_id)
         if t.state.final:
             return
         if t.session_id:
@@ -248,7 +267,7 @@ class TransferCoordinator:
     def _tell_peer(self, t: Transfer, reason: str) -> None:
         if not t.peer:
             return
-        abort = PeerAbort(t.id, t.session_id, reason)
+        abort = PeerAbort(t.id, t.session_id, reason, t.capability)
         self._spawn(self._tell(t.peer, abort), name=f"tell {t.peer} {t.id} ended")
 
     async def _tell(self, peer: str, abort: PeerAbort) -> None:

@@ -232,7 +232,8 @@ class Receiver:
         t.task = asyncio.create_task(self._request_push(t), name=f"pull {t.id}")
 
     async def _request_push(self, t: Transfer) -> None:
-        request = PushRequest(t.id, self._peer_address, t.pool.name, t.remaining())
+        request = PushRequest(t.id, self._peer_address, t.pool.name, t.remaining(), t.capability,
+                              t.prompt_digest)
         try:
             with self._registry.tracing.phase(t, "request_push"):
                 await self._clients.get(t.peer).request_push(request, t.deadline)

@@ -58,7 +58,10 @@ class Transfer:
     its same-host copy (``copying``), if it failed with some); ``arrived`` also when its
     bytes have all landed (a receiver that still has to verify them).
     ``peer_identity``, when set, is the only peer (by certificate name) that may
-    claim, pull, or abort it before a session has claimed it. ``spans`` end with it;
+    claim, pull, or abort it before a session has claimed it. ``capability`` is the
+    secret an offer's pull (once: ``capability_spent``) and an abort before a session
+    must present, and that a pull presents; ``prompt_digest`` what its KV was computed
+    from (an offer's) or is expected to be (a pull's). ``spans`` end with it;
     ``trace`` is the context its phases' spans belong to (``kvxfer.server.tracing``).
     """
 
@@ -74,6 +77,9 @@ class Transfer:
     session_id: str = ""
     lease_id: str = ""
     release_lease: bool = False
+    capability: str = field(default="", repr=False)
+    capability_spent: bool = False
+    prompt_digest: bytes = b""
     state: TransferState = TransferState.WAITING
     history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
     created_unix: float = field(default_factory=time.time)

@@ -26,7 +26,6 @@ from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
     PeerUnavailableError,
-    TransferAbortedError,
     TransferDeadlineError,
     TransferExistsError,
     TransferNotFoundError,
@@ -67,9 +66,6 @@ class TransferRegistry:
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
         self._waiters: defaultdict[tuple[str, TransferRole], list[asyncio.Future[Transfer]]] = (
             defaultdict(list))
-        # Ids a peer aborted before this side registered them, with the reason and the
-        # aborting peer's names: registering one that peer may abort ends it at once.
-        self._aborted_early: OrderedDict[str, tuple[str, tuple[str, ...]]] = OrderedDict()
         self.accepting = True
 
     def get(self, transfer_id: str) -> Transfer:
@@ -95,10 +91,9 @@ class TransferRegistry:
                  timeout_s: float, *, verify: bool = False, peer: str = "", disjoint: bool,
                  lease_id: str = "", release_lease: bool = False,
                  peer_identity: str = "") -> Transfer:
-        """Record a new transfer (``timeout_s`` 0: the default); it may end at once if the
-        peer already aborted it. With ``lease_id`` its runs must lie in that lease of the
-        same pool. Raises for a bad request, a busy id, past ``active_transfers``, or
-        while shutting down."""
+        """Record a new transfer (``timeout_s`` 0: the default). With ``lease_id`` its runs
+        must lie in that lease of the same pool. Raises for a bad request, a busy id, past
+        ``active_transfers``, or while shutting down."""
         if not self.accepting:
             raise PeerUnavailableError("this daemon is shutting down; no new transfers")
         check_id("transfer_id (the engine's request id)", transfer_id)
@@ -136,10 +131,6 @@ class TransferRegistry:
         self._metrics.registered(t)
         self.tracing.begin(t)
         self._prune()
-        early = self._aborted_early.pop(transfer_id, None)
-        if early is not None and (not peer_identity or peer_identity in early[1]):
-            self.finish(t, TransferAbortedError(
-                f"aborted by the peer before it was registered here: {early[0]}"))
         for waiter in self._waiters.pop((transfer_id, role), []):
             if not waiter.done():
                 waiter.set_result(t)
@@ -249,9 +240,3 @@ class TransferRegistry:
             exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         self.finish(t, exc)
 
-    def remember_early_abort(self, transfer_id: str, reason: str, names: tuple[str, ...]) -> None:
-        """The peer with certificate ``names`` aborted ``transfer_id`` before it was
-        registered here: end it on arrival, unless it names another peer identity."""
-        self._aborted_early[transfer_id] = (reason, names)
-        while len(self._aborted_early) > self._retain:
-            self._aborted_early.popitem(last=False)

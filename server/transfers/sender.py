@@ -16,6 +16,7 @@ peer fails the transfer at once, wherever it is.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 
 from kvxfer.descriptor import PoolDescriptor, check_compatible
@@ -23,13 +24,14 @@ from kvxfer.errors import (
     IncompatibleLayoutError,
     InternalError,
     InvalidRangeError,
-    PeerNotAllowedError,
+    PromptMismatchError,
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
+from kvxfer.server.transfers.capability import not_offered, presents
 from kvxfer.server.transfers.planning import plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -52,18 +54,28 @@ class Sender:
         """Push ``t`` to ``t.peer`` in the background."""
         t.task = asyncio.create_task(self._push(t), name=f"push {t.id}")
 
-    async def accept_push_request(self, request: PushRequest, wait_s: float,
-                                  caller: Caller) -> None:
-        """``caller`` asks us to push ``request.transfer_id`` to it once it is offered here
-        (refused if the offer names another peer identity)."""
-        t = await self._registry.rendezvous(request.transfer_id, TransferRole.SENDER, wait_s, "offer")
-        if t.peer_identity and not caller.is_named(t.peer_identity):
-            raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
-                                      f"{caller.name} may not pull it")
+    def accept_push_request(self, request: PushRequest, caller: Caller) -> None:
+        """``caller`` asks us to push ``request.transfer_id`` to it. It must be offered here
+        already, and the request must present the offer's capability (once) and, if the
+        offer names a peer, come from it: anything else is the same NOT_FOUND, at once. A
+        prompt digest other than the offer's fails the transfer (PromptMismatchError)."""
+        t = self._registry.find(request.transfer_id)
+        if (t is None or t.role != TransferRole.SENDER or t.capability_spent
+                or not presents(request.capability, t.capability)
+                or (t.peer_identity and not caller.is_named(t.peer_identity))):
+            raise not_offered(request.transfer_id)
+        t.capability_spent = True
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} already ended")
         if t.peer or t.task is not None:
             raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
+        if not hmac.compare_digest(request.prompt_digest, t.prompt_digest):
+            mismatch = PromptMismatchError(
+                f"transfer {t.id!r} holds KV computed from another prompt than the puller's "
+                f"(prompt digests {t.prompt_digest.hex()[:12] or 'none'} here, "
+                f"{request.prompt_digest.hex()[:12] or 'none'} asked)")
+            self._registry.finish(t, mismatch)
+            raise PromptMismatchError(str(mismatch))
         t.peer = request.reply_to
         self._registry.tracing.join(t)
         self.start(t)

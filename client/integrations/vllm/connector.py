@@ -36,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.platforms import current_platform
 
@@ -202,12 +203,15 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         self._guarded("wait_for_save", self._work().wait_for_save, lambda: None)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        finished: set[str] = self._guarded("get_finished", self._work().get_finished, set)
-        return None, finished or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._guarded("get_block_ids_with_load_errors", self._work().take_load_errors, set)
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads that ended this step, the failed ones also in ``failed_recving``: vLLM then
+        recomputes the request from its local cache hit (or fails it). Per request, not per
+        block: see docs/trust.md."""
+        def results() -> KVConnectorTransferResults:
+            worker = self._work()
+            return KVConnectorTransferResults(finished_recving=worker.get_finished(),
+                                              failed_recving=worker.take_failed())
+        return self._guarded("get_transfer_results", results, KVConnectorTransferResults)
 
     def shutdown(self) -> None:
         if self._worker is not None:

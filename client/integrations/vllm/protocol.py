@@ -20,7 +20,7 @@ request ended.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,9 +32,12 @@ PARAMS_VERSION: Final = 1
 TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
 #: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
 PEER_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
+#: An offer's capability: 128 random bits in hex (``kvxfer.server.leases``).
+CAPABILITY_PATTERN = r"^[0-9a-f]{32}$"
 
-#: Why a request's params were not followed (the keys of ``SchedulerSide.refusals``).
-RefusalReason = Literal["malformed", "version", "layout"]
+#: Why a request's params were not followed (the keys of ``SchedulerSide.refusals``):
+#: ``unsupported`` is a request whose KV the connector cannot bind to its prompt.
+RefusalReason = Literal["malformed", "version", "layout", "unsupported"]
 
 
 class _Strict(BaseModel):
@@ -61,21 +64,26 @@ class KvxferParamsV1(_Strict):
     version: Literal[1]
     transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     peer: str = Field(pattern=PEER_PATTERN)
+    capabilities: list[Annotated[str, Field(pattern=CAPABILITY_PATTERN)]] = Field(
+        min_length=1, max_length=1 << 16)
     layout: LayoutV1
 
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """Where a request's prefilled KV waits: a transfer offered by a prefill engine's daemon."""
+    """Where a request's prefilled KV waits: a transfer offered by a prefill engine's daemon,
+    one per tensor-parallel rank, each pulled with its rank's capability."""
 
     transfer_id: str
     peer: str
+    capabilities: tuple[str, ...]
     layout: BlockLayout
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""
         ours = KvxferParamsV1(version=PARAMS_VERSION, transfer_id=self.transfer_id,
-                              peer=self.peer, layout=LayoutV1(**self.layout.as_dict()))
+                              peer=self.peer, capabilities=list(self.capabilities),
+                              layout=LayoutV1(**self.layout.as_dict()))
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "kvxfer": ours.model_dump()}
 
@@ -92,11 +100,11 @@ def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refu
     """What a decode request's ``kv_transfer_params`` ask for: None when no remote prefill
     (``do_remote_prefill`` absent or false), a ``RemotePrefill`` to load, or a ``Refusal``
     (malformed, another version, another block layout than ``ours``). Never raises."""
-    if not isinstance(params, dict) or params.get("do_remote_prefill") in (None, False):
+    asked = params.get("do_remote_prefill") if isinstance(params, dict) else None
+    if asked is None or asked is False:
         return None
-    if params["do_remote_prefill"] is not True:
-        return Refusal("malformed", f"do_remote_prefill is {_short(params['do_remote_prefill'])}, "
-                                    "expected true or false")
+    if asked is not True:
+        return Refusal("malformed", f"do_remote_prefill is {_short(asked)}, expected true or false")
     raw = params.get("kvxfer")
     if not isinstance(raw, dict):
         return Refusal("malformed", f"kvxfer is {_short(raw)}, expected an object of params "
@@ -116,7 +124,10 @@ def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refu
     if differences:
         return Refusal("layout", "the prefill engine's block layout differs from ours: "
                                  + "; ".join(differences))
-    return RemotePrefill(parsed.transfer_id, parsed.peer, theirs)
+    if len(parsed.capabilities) != theirs.tp_size:
+        return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
+                                    f"entries; expected one per rank ({theirs.tp_size})")
+    return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs)
 
 
 def wants_remote_decode(params: Any) -> bool:
@@ -145,8 +156,10 @@ def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
 class Save:
     """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
     into the pages leased for it (block ``i`` into ``pages[rank][i]``), then offers them as
-    its rank's transfer of ``transfer_id``. ``arena_epoch`` is the daemon memory epoch the
-    leases were granted in: a worker whose mapping is older re-attaches before writing."""
+    its rank's transfer of ``transfer_id``, recording ``prompt_digest`` with it.
+    ``arena_epoch`` is the daemon memory epoch the leases were granted in: a worker whose
+    mapping is older re-attaches before writing. ``capabilities`` (per rank, the leases')
+    go into the response's params, never to the worker."""
 
     req_id: str
     transfer_id: str
@@ -154,14 +167,17 @@ class Save:
     lease_ids: tuple[str, ...]
     pages: tuple[tuple[int, ...], ...]
     verify: bool
+    prompt_digest: bytes
     arena_epoch: str = ""
+    capabilities: tuple[str, ...] = field(default=(), repr=False)
 
 
 @dataclass(frozen=True)
 class Load:
     """Decode: each rank pulls its transfer of ``transfer_id`` (``num_pages`` pages) from
-    ``peer``, then copies page ``first_page + i`` into ``block_ids[i]`` (earlier pages are
-    a local prefix-cache hit). A load with ``refused`` set fails at once, moving nothing."""
+    ``peer`` with its rank's capability and the request's ``prompt_digest``, then copies
+    page ``first_page + i`` into ``block_ids[i]`` (earlier pages are a local prefix-cache
+    hit). A load with ``refused`` set fails at once, moving nothing."""
 
     req_id: str
     transfer_id: str
@@ -170,6 +186,8 @@ class Load:
     first_page: int
     block_ids: tuple[int, ...]
     refused: str = ""
+    capabilities: tuple[str, ...] = field(default=(), repr=False)
+    prompt_digest: bytes = b""
 
 
 @dataclass

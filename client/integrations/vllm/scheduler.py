@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.client.integrations.vllm.digest import prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.protocol import (
     Load,
@@ -92,6 +93,10 @@ class SchedulerSide:
             return 0, False
         if remote is None:
             return 0, False
+        if prompt_digest(request) is None:
+            self._refuse(request, Refusal("unsupported", "a prompt given as embeddings: its KV "
+                                                         "cannot be bound to it"))
+            return 0, False
         count = int(request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
             return 0, False
@@ -145,7 +150,9 @@ class SchedulerSide:
         num_pages = math.ceil(int(request.num_prompt_tokens) / block_size)
         first = local // block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
-                                    num_pages, first, tuple(block_ids[first:num_pages])))
+                                    num_pages, first, tuple(block_ids[first:num_pages]),
+                                    capabilities=remote.capabilities,
+                                    prompt_digest=prompt_digest(request) or b""))
         self._loading.add(request.request_id)
 
     def finished_loading(self, req_ids: set[str]) -> None:
@@ -181,6 +188,11 @@ class SchedulerSide:
 
     def _lease(self, request: Any, block_ids: list[int]) -> Save | None:
         assert self._client is not None
+        digest = prompt_digest(request)
+        if digest is None:
+            log.warning("request %s keeps its KV to itself: a prompt given as embeddings cannot "
+                        "be bound to its KV; the decode engine will compute it", request.request_id)
+            return None
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
         transfer_id = f"{self._engine_id}/{request.request_id}"
         leases: list[LeaseInfo] = []
@@ -202,8 +214,8 @@ class SchedulerSide:
         verify = self._settings.verify or wants_verify(request.kv_transfer_params)
         return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]),
                     tuple(lease.lease_id for lease in leases),
-                    tuple(tuple(lease.runs.pages()) for lease in leases), verify,
-                    leases[0].arena_epoch)
+                    tuple(tuple(lease.runs.pages()) for lease in leases), verify, digest,
+                    leases[0].arena_epoch, tuple(lease.capability for lease in leases))
 
     def request_finished(self, request: Any) -> dict[str, Any] | None:
         """The request ended: the ``kv_transfer_params`` of its response (vLLM frees its
@@ -218,4 +230,5 @@ class SchedulerSide:
         save = self._saved.pop(req_id, None)
         if save is None or request.status.name not in FINISHED_NORMALLY:
             return None
-        return RemotePrefill(save.transfer_id, self._peer, self._layout).to_params()
+        return RemotePrefill(save.transfer_id, self._peer, save.capabilities,
+                             self._layout).to_params()

@@ -11,9 +11,9 @@ offers the pages as the request's transfer, lease ending with it, so the
 engine's blocks are free at once. Decode: ``start_load_kv`` leases pages and
 starts a pull per planned load and returns; ``get_finished`` asks the daemon
 once per step which transfers ended (batched completion), copies finished ones
-into the request's blocks (copy-in) and reports them; failed ones report their
-blocks through ``load_errors`` so vLLM recomputes or fails them, never serves
-them. A load dropped because its request ended is reported finished too, so
+into the request's blocks (copy-in) and reports them; failed ones are reported
+failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
+recomputes or fails them, never serves them. A load dropped because its request ended is reported finished too, so
 vLLM frees the blocks it held for it.
 
 Memory identity: the worker maps the daemon's pool once, and remembers the
@@ -108,7 +108,7 @@ class WorkerSide:
         self._copy_out: dict[str, float] = {}
         self._pending: dict[str, PendingLoad] = {}
         self._finished: set[str] = set()
-        self._errors: set[int] = set()
+        self._failed: set[str] = set()
         self._cursor = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -221,7 +221,8 @@ class WorkerSide:
         try:
             self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
                                timeout_s=self._settings.timeout_s, verify=save.verify,
-                               lease_id=lease_id, release_lease=True, arena_epoch=self._epoch)
+                               lease_id=lease_id, release_lease=True, arena_epoch=self._epoch,
+                               prompt_digest=save.prompt_digest)
         except KvxferError as exc:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
                       "recompute", save.req_id, type(exc).__name__, exc)
@@ -260,14 +261,15 @@ class WorkerSide:
             self._current(lease.arena_epoch)
             self._client.pull(transfer_id, load.peer, self._settings.pool, lease.runs,
                               timeout_s=self._settings.timeout_s, lease_id=lease.lease_id,
-                              arena_epoch=self._epoch)
+                              arena_epoch=self._epoch, capability=load.capabilities[self._rank],
+                              prompt_digest=load.prompt_digest)
         except BaseException:
             self._release(lease.lease_id)
             raise
         self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch)
 
     def get_finished(self) -> set[str]:
-        """Requests whose load ended since the last step (failed ones too: see load_errors)."""
+        """Requests whose load ended since the last step (failed ones too: see take_failed)."""
         if self._pending:
             try:
                 self._poll()
@@ -338,17 +340,18 @@ class WorkerSide:
                            verified=info.verified)
 
     def _fail(self, load: Load, why: str) -> None:
-        log.error("request %s: KV load of %s failed, its blocks are reported invalid: %s",
+        log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
-        self._errors.update(load.block_ids)
+        self._failed.add(load.req_id)
         self._finished.add(load.req_id)
         self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=False, error=why)
 
-    def take_load_errors(self) -> set[int]:
-        """Blocks whose load failed since the last call (vLLM recomputes or fails them)."""
-        errors, self._errors = self._errors, set()
-        return errors
+    def take_failed(self) -> set[str]:
+        """Requests whose load failed since the last call (each also in ``get_finished``):
+        vLLM recomputes their prompt from its local cache hit, or fails them."""
+        failed, self._failed = self._failed, set()
+        return failed
 
     # -- both ------------------------------------------------------------------------------------
 

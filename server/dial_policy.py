@@ -1,0 +1,60 @@
+"""Which peer addresses this daemon may dial (``--dial-allow``).
+
+A pull names the peer to fetch from, and in vLLM that address arrives in a request's
+``kv_transfer_params``: client input. So the daemon dials only addresses its operator
+allows, as networks (CIDRs); the default is loopback only. A name is resolved first and
+every address it resolves to must be allowed; nothing is sent to a refused peer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import Sequence
+
+from kvxfer.errors import DialNotAllowedError, InvalidSpecError, PeerUnavailableError
+
+#: The default policy: this host only.
+LOOPBACK = ("127.0.0.0/8", "::1/128")
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(values: Sequence[str]) -> tuple[Network, ...]:
+    """The networks ``values`` name; InvalidSpecError naming the first that is not one."""
+    networks = []
+    for value in values:
+        try:
+            networks.append(ipaddress.ip_network(value, strict=False))
+        except ValueError:
+            raise InvalidSpecError(f"dial_allow {value!r} is not a network; expected an address "
+                                   "or CIDR such as 10.0.0.0/8 or 127.0.0.1") from None
+    return tuple(networks)
+
+
+class DialPolicy:
+    """Refuses to dial a peer outside the allowed networks, before any connection."""
+
+    def __init__(self, allowed: Sequence[str]) -> None:
+        self.networks = parse_networks(allowed)
+
+    def check(self, address: str) -> None:
+        """Return if ``address`` (host:port) may be dialled; else DialNotAllowedError (the
+        address is outside the policy) or PeerUnavailableError (its name does not resolve)."""
+        host, _, port = address.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        try:
+            found = {str(info[4][0]) for info in socket.getaddrinfo(host, port or None,
+                                                                type=socket.SOCK_STREAM)}
+        except (socket.gaierror, UnicodeError) as exc:
+            raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc}") from None
+        outside = sorted(a for a in found if not self.allows(a))
+        if outside:
+            raise DialNotAllowedError(
+                f"peer {address!r} ({', '.join(outside)}) is outside this daemon's dial_allow "
+                f"({', '.join(map(str, self.networks)) or 'nothing'}); nothing was sent to it")
+
+    def allows(self, ip: str) -> bool:
+        """Whether the address ``ip`` lies in an allowed network."""
+        parsed = ipaddress.ip_address(ip.split("%", 1)[0])
+        return any(parsed.version == n.version and parsed in n for n in self.networks)
