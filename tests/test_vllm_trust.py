@@ -150,3 +150,41 @@ def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:
     assert "its KV was not saved" in caplog.text
     with KvxferClient(engines.pre.worker_address) as p:
         assert p.transfers() == [] and p.leased_pages() == {"kv": 0}
+
+
+def forged_hand_off(engines: Engines, decode_seed: int) -> tuple[str, set[str], bool]:
+    """Prefill a 2-block prompt (seed 0), then send its params with a decode request whose
+    prompt has the same length but ``decode_seed``'s tokens: that request's id, the loads
+    reported failed, and whether the decode blocks got the prefill KV."""
+    req = Request("a-p", 64, {"do_remote_decode": True})
+    engines.sched_p.update_state_after_alloc(req, [3, 7], 0)
+    engines.work_p.bind(engines.sched_p.build_plan({"a-p": (0, 64)}, lambda _: [3, 7]))
+    for layer, kv in engines.kv_p.items():
+        engines.work_p.save_kv_layer(layer, kv)
+    engines.work_p.wait_for_save()
+    params = engines.sched_p.request_finished(req)
+    forged = Request("b-d", 64, params, seed=decode_seed)
+    assert engines.sched_d.get_num_new_matched_tokens(forged, 0) == (64, True)
+    engines.sched_d.update_state_after_alloc(forged, [5, 6], 64)
+    engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+    engines.work_d.start_load_kv()
+    wait_finished(engines.work_d, "b-d", timeout_s=30)
+    got = all(torch.equal(engines.kv_d[k][[5, 6]], engines.kv_p[k][[3, 7]]) for k in engines.kv_p)
+    return "b-d", engines.work_d.take_failed(), got
+
+
+def test_params_replayed_for_another_prompt_do_not_load_its_kv(engines) -> None:
+    """The decode connector's digest of its own prompt differs from the one the prefill
+    connector offered with: the prefill daemon refuses, the load fails (vLLM recomputes)."""
+    before = {k: v.clone() for k, v in engines.kv_d.items()}
+    rid, failed, got = forged_hand_off(engines, decode_seed=1)
+    assert failed == {rid} and not got
+    assert all(torch.equal(engines.kv_d[k], before[k]) for k in before)
+
+
+def test_negative_control_without_the_prompt_digest_another_prompts_kv_loads(
+        engines, monkeypatch) -> None:
+    monkeypatch.setattr("kvxfer.client.integrations.vllm.scheduler.prompt_digest",
+                        lambda request: b"")
+    rid, failed, got = forged_hand_off(engines, decode_seed=1)
+    assert failed == set() and got  # KV of prompt A served as prompt B's, and nothing says so

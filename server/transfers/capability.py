@@ -1,4 +1,5 @@
-"""An offer's capability: the secret a pull (once) and an early abort must present.
+"""An offer's capability (the secret a pull, once, and an early abort must present) and
+its prompt digest (what the pull's must equal).
 
 Compared in constant time, and every refusal (an id not offered here, a wrong or spent
 capability, a peer the offer does not name) is the same NOT_FOUND, so a caller learns
@@ -15,6 +16,11 @@ from kvxfer.errors import TransferNotFoundError
 def presents(given: str, held: str) -> bool:
     """Whether ``given`` is the capability ``held`` (constant time; an empty one never is)."""
     return bool(held) and hmac.compare_digest(given.encode(), held.encode())
+
+
+def same_prompt(presented: bytes, recorded: bytes) -> bool:
+    """Whether a pull's prompt digest is the one its offer recorded (constant time)."""
+    return hmac.compare_digest(presented, recorded)
 
 
 def not_offered(transfer_id: str) -> TransferNotFoundError:

@@ -16,7 +16,6 @@ peer fails the transfer at once, wherever it is.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 
 from kvxfer.descriptor import PoolDescriptor, check_compatible
@@ -31,7 +30,7 @@ from kvxfer.integrity import checksum
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
-from kvxfer.server.transfers.capability import not_offered, presents
+from kvxfer.server.transfers.capability import not_offered, presents, same_prompt
 from kvxfer.server.transfers.planning import plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -69,7 +68,7 @@ class Sender:
             raise t.failure(f"transfer {t.id!r} already ended")
         if t.peer or t.task is not None:
             raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
-        if not hmac.compare_digest(request.prompt_digest, t.prompt_digest):
+        if not same_prompt(request.prompt_digest, t.prompt_digest):
             mismatch = PromptMismatchError(
                 f"transfer {t.id!r} holds KV computed from another prompt than the puller's "
                 f"(prompt digests {t.prompt_digest.hex()[:12] or 'none'} here, "

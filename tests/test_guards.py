@@ -1,0 +1,208 @@
+"""The daemon's trust guards, each with its negative control (docs/trust.md).
+
+Two real daemons in this process talk over real gRPC and move bytes over the in-memory
+transport. For each guard (capability, prompt digest, dial policy, protocol version,
+memory epoch) a test shows the refusal and that nothing moved, and a negative control
+switches the guard off through a test-only seam (``monkeypatch`` of the one function
+that implements it) and shows the bad outcome it prevents: bytes delivered to a forger,
+KV of another prompt delivered, a peer dialled, a stranger's handshake accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from fake_transport import FakeNetwork
+from inprocess import Side, run, side
+
+from kvxfer.errors import (
+    DialNotAllowedError,
+    PromptMismatchError,
+    ProtocolVersionError,
+    StaleArenaError,
+    TransferNotFoundError,
+)
+from kvxfer.pages import PageRuns
+from kvxfer.server.peer_protocol import PeerAbort, hello_from_request
+from kvxfer.server.tls import Caller
+from kvxfer.server.transfers.coordinator import LeaseUse
+from kvxfer.status import TransferInfo, TransferState
+from kvxfer.v1 import kvxfer_pb2 as pb
+from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+
+SRC, DST = PageRuns.of([(0, 3)]), PageRuns.of([(10, 3)])
+STRANGER = Caller(("eve",), "127.0.0.1")
+
+
+@asynccontextmanager
+async def daemons(tmp: Path, **decode_settings: Any) -> AsyncIterator[tuple[Side, Side]]:
+    network = FakeNetwork()
+    async with side(tmp, "prefill", network) as sender, \
+            side(tmp, "decode", network, **decode_settings) as receiver:
+        sender.raw.copy_(torch.randint(0, 256, sender.raw.shape, dtype=torch.uint8,
+                                       generator=torch.Generator().manual_seed(1)))
+        yield sender, receiver
+
+
+def delivered(sender: Side, receiver: Side) -> bool:
+    return all(torch.equal(sender.page(s), receiver.page(d)) for s, d in zip(SRC.pages(), DST.pages()))
+
+
+async def pull(sender: Side, receiver: Side, tid: str, *, capability: str | None = None,
+               digest: bytes = b"", offered_digest: bytes = b"") -> TransferInfo:
+    """Offer ``SRC`` on the sender and pull it into ``DST``, presenting ``capability`` (the
+    offer's when None); the receiver's final status."""
+    offer = sender.transfers.offer(tid, "kv", SRC, 10, False, prompt_digest=offered_digest)
+    receiver.transfers.pull(tid, sender.peer_address, "kv", DST, 10,
+                            capability=offer.capability if capability is None else capability,
+                            prompt_digest=digest)
+    return await receiver.final(tid)
+
+
+def test_a_pull_must_present_the_offers_capability(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            forged = await pull(sender, receiver, "forged", capability="0" * 32)
+            assert isinstance(forged.failure, TransferNotFoundError), forged.error
+            assert sender.transfers.registry.get("forged").state == TransferState.WAITING
+            assert not delivered(sender, receiver)
+            assert (await pull(sender, receiver, "rightful")).ok and delivered(sender, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_capability_check_a_forger_gets_the_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.transfers.sender.presents", lambda given, held: True)
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            forged = await pull(sender, receiver, "forged", capability="0" * 32)
+            assert forged.ok and delivered(sender, receiver)
+    run(body)
+
+
+def test_a_pull_for_another_prompt_is_refused_and_ends_the_offer(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            got = await pull(sender, receiver, "other", digest=b"B" * 32, offered_digest=b"A" * 32)
+            assert isinstance(got.failure, PromptMismatchError), got.error
+            assert "another prompt" in got.error and not delivered(sender, receiver)
+            assert sender.transfers.registry.get("other").state == TransferState.FAILED
+            same = await pull(sender, receiver, "same", digest=b"A" * 32, offered_digest=b"A" * 32)
+            assert same.ok and delivered(sender, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_digest_check_kv_of_another_prompt_arrives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.transfers.sender.same_prompt", lambda a, b: True)
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            got = await pull(sender, receiver, "other", digest=b"B" * 32, offered_digest=b"A" * 32)
+            assert got.ok and delivered(sender, receiver)
+    run(body)
+
+
+def test_an_offer_is_aborted_from_a_peer_only_with_its_capability(tmp_path: Path) -> None:
+    """And an abort for an id nobody registered is NOT_FOUND, not remembered."""
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, _):
+            offer = sender.transfers.offer("mine", "kv", SRC, 10, False)
+            for capability in ("", "f" * 32):
+                with pytest.raises(TransferNotFoundError):
+                    sender.transfers.abort_from_peer(PeerAbort("mine", "", "eve", capability), STRANGER)
+            with pytest.raises(TransferNotFoundError):
+                sender.transfers.abort_from_peer(PeerAbort("later", "", "eve"), STRANGER)
+            assert offer.state == TransferState.WAITING
+            assert sender.transfers.offer("later", "kv", SRC, 10, False).state == TransferState.WAITING
+            sender.transfers.abort_from_peer(PeerAbort("mine", "", "decode", offer.capability), STRANGER)
+            assert offer.state == TransferState.ABORTED
+    run(body)
+
+
+def test_negative_control_without_the_capability_check_anyone_aborts_an_offer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.transfers.coordinator.presents", lambda given, held: True)
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, _):
+            offer = sender.transfers.offer("mine", "kv", SRC, 10, False)
+            sender.transfers.abort_from_peer(PeerAbort("mine", "", "eve"), STRANGER)
+            assert offer.state == TransferState.ABORTED
+    run(body)
+
+
+def requests_push_seen(side_: Side) -> float:
+    return side_.daemon.metrics.rpcs.labels("RequestPush", "OK")._value.get() + \
+        side_.daemon.metrics.rpcs.labels("RequestPush", "NOT_FOUND")._value.get()
+
+
+def test_a_peer_outside_the_dial_policy_is_never_dialled(tmp_path: Path) -> None:
+    """The decode daemon may dial 127.0.0.2 only; the prefill daemon is at 127.0.0.1."""
+    async def body() -> None:
+        async with daemons(tmp_path, dial_allow=["127.0.0.2/32"]) as (sender, receiver):
+            got = await pull(sender, receiver, "far")
+            assert isinstance(got.failure, DialNotAllowedError), got.error
+            assert "outside this daemon's dial_allow (127.0.0.2/32)" in got.error
+            assert receiver.daemon.metrics.dials_refused._value.get() == 1
+            assert requests_push_seen(sender) == 0 and not delivered(sender, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_dial_policy_the_peer_is_dialled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.dial_policy.DialPolicy.check", lambda self, address: None)
+
+    async def body() -> None:
+        async with daemons(tmp_path, dial_allow=["127.0.0.2/32"]) as (sender, receiver):
+            assert (await pull(sender, receiver, "far")).ok
+            assert requests_push_seen(sender) == 1 and delivered(sender, receiver)
+    run(body)
+
+
+def handshake(version: int) -> pb.HandshakeRequest:
+    return pb.HandshakeRequest(protocol_version=version, session_id=f"v{version}",
+                               ucx_host="127.0.0.1", ucx_ports=[1], peer_address="127.0.0.1:1")
+
+
+def test_a_handshake_of_another_protocol_version_is_refused_naming_both(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, _):
+            async with grpc.aio.insecure_channel(sender.peer_address) as channel:
+                stub = pb_grpc.KvxferPeerStub(channel)
+                for version in (0, 2):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await stub.Handshake(handshake(version), timeout=5)
+                    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                    assert "speaks peer protocol version" in (refused.value.details() or "")
+                    assert "this daemon speaks version 1" in (refused.value.details() or "")
+                assert (await stub.Handshake(handshake(1), timeout=5)).protocol_version == 1
+    run(body)
+
+
+def test_negative_control_without_the_version_check_any_hello_is_taken(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ProtocolVersionError):
+        hello_from_request(handshake(2))
+    monkeypatch.setattr("kvxfer.server.peer_protocol.check_version", lambda theirs: None)
+    assert hello_from_request(handshake(2)).session_id == "v2"
+
+
+def test_a_verb_through_a_mapping_of_an_earlier_daemon_is_refused(tmp_path: Path) -> None:
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, _):
+            epoch = sender.daemon.pools.epoch  # type: ignore[union-attr]
+            assert len(epoch) == 32
+            with pytest.raises(StaleArenaError, match="restarted since"):
+                sender.transfers.offer("stale", "kv", SRC, 10, False, LeaseUse(arena_epoch="0" * 32))
+            assert sender.transfers.registry.find("stale") is None
+            current = sender.transfers.offer("current", "kv", SRC, 10, False, LeaseUse(arena_epoch=epoch))
+            assert current.state == TransferState.WAITING
+    run(body)
