@@ -37,13 +37,16 @@ class LocalDaemon:
                  env: dict[str, str] | None = None, extra_args: list[str] | None = None,
                  log_level: str = "warning", host: str = "127.0.0.1",
                  command_prefix: list[str] | None = None, shm_dir: str = "/dev/shm",
-                 metrics: bool = False, tls: Path | None = None) -> None:
+                 metrics: bool = False, tls: Path | None = None,
+                 launcher: list[str] | None = None) -> None:
         """``host`` is the address the peer port and UCX listen on (every port is picked by
         the daemon and read back from its ready file); ``command_prefix`` wraps the command
         (e.g. ``ip netns exec NS`` to run it in a network namespace); ``shm_dir`` is where
         its CPU pools live (swept of its files if it is killed); ``metrics`` serves its
         Prometheus metrics on a free port (``metrics_port``); ``tls`` is a directory made by
-        ``kvxfer certs`` with a certificate named ``name``: the peer API uses mutual TLS."""
+        ``kvxfer certs`` with a certificate named ``name``: the peer API uses mutual TLS;
+        ``launcher`` is the command that takes ``serve``'s arguments (default: the ``kvxfer``
+        command line of this interpreter)."""
         self.name = name
         self.shm_dir = shm_dir
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -55,7 +58,8 @@ class LocalDaemon:
         self._ready = self.workdir / f"{name}.ready.json"
         self.log_path = self.workdir / f"{name}.log"
         self.args = [
-            *(command_prefix or []), sys.executable, "-m", "kvxfer.client.cli", "serve",
+            *(command_prefix or []), *(launcher or [sys.executable, "-m", "kvxfer.client.cli"]),
+            "serve",
             "--worker-address", f"unix://{self.workdir / (name + '.sock')}",
             "--peer-address", f"{host}:0", "--ucx-host", host,
             "--ready-file", str(self._ready), "--log-level", log_level, "--shm-dir", shm_dir,

@@ -6,9 +6,11 @@ import os
 import random
 import re
 import shutil
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,7 +22,6 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
 from kvxfer.errors import TransferNotFoundError
 from kvxfer.pages import PageRuns
-from kvxfer.server.transfers.receiver import FAULT_CORRUPT_ENV
 from kvxfer.status import TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -28,6 +29,8 @@ from kvxfer.wire.codec import descriptor_to_proto
 
 STANDARD = "name=kv,preset=llama8b"  # 32 layers, 8 heads, 128 dim, bf16, 2 MiB pages, 512 pages
 SMALL = "name=kv,preset=llama8b,num_pages=64"
+#: The tests' fault double: a daemon whose receiver flips a byte of what it receives.
+CORRUPTING = Path(__file__).resolve().parent / "corrupting_daemon.py"
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +341,7 @@ def test_abort_mid_transfer_ends_both_sides(pair) -> None:
 
 def test_checksum_mismatch_fails_the_transfer(pair, spawn) -> None:
     pre, dec, p, d, src, dst = pair
-    bad = spawn("corrupting", [SMALL], env={FAULT_CORRUPT_ENV: "1"})
+    bad = spawn("corrupting", [SMALL], launcher=[sys.executable, str(CORRUPTING), "1"])
     with KvxferClient(bad.worker_address) as b:
         b.expect("corrupt", "kv", PageRuns.of([(0, 8)]), timeout_s=20)
         p.push("corrupt", "kv", PageRuns.of([(8, 8)]), peer=bad.peer_address, timeout_s=20, verify=True)

@@ -137,3 +137,57 @@ def test_with_two_ranks_each_rank_moves_its_own_shard_and_nothing_is_computed_tw
     ranks = [s["rank"] for s in run_tp2["decode_stats"] if s.get("ok")]
     assert sorted(set(ranks)) == [0, 1] and ranks.count(0) == ranks.count(1)
     assert run_tp2["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}
+
+
+def same_as_plain(trust: dict[str, Any], base: dict[str, Any], answer: dict[str, Any]) -> str:
+    """How ``answer`` differs from the plain engine's for its prompt: tokens, logprobs and
+    each step's top-5 logprobs ("" when identical)."""
+    if "error" in answer:
+        return f"{answer['prompt']}: {answer['error'][:300]}"
+    want = base[answer["prompt"]]
+    for key in ("tokens", "logprobs", "top_logprobs"):
+        if want[key] != answer[key]:
+            return f"{answer['prompt']}: {key} differ: {answer[key]} != {want[key]}"
+    return ""
+
+
+def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run) -> None:
+    """Straight to the decode engine: a string for the kvxfer params, pre-v1 params with
+    100,000 tokens, do_remote_prefill "yes". Each is refused, counted in the log by reason,
+    and the prompt computed there: the plain engine's answer, top-5 logprobs included."""
+    trust, base = run["trust"], run["baseline_trust"]
+    assert [same_as_plain(trust, base, a) for a in trust["malformed"]] == ["", "", ""]
+    log = trust["decode_log"]
+    assert log.count("(params malformed:") == 2 and log.count("(params version:") == 1
+    assert trust["healthy_after_forgeries"]
+
+
+def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
+    """Another prompt's params (same length), params used twice, an altered transfer id, a
+    wrong capability, a closed peer port: each load fails, the prompt is computed on the
+    decode engine, and the answer is the plain engine's; the forged prompt asked plainly
+    afterwards too (no KV of another prompt entered its prefix cache)."""
+    trust, base = run["trust"], run["baseline_trust"]
+    cases = ("other_prompt", "other_prompt_plain_after", "replay_first", "replay_again",
+             "altered_id", "wrong_capability", "closed_peer")
+    assert {c: same_as_plain(trust, base, trust[c]) for c in cases} == dict.fromkeys(cases, "")
+    log = trust["decode_log"]
+    assert log.count("holds KV computed from another prompt than the puller's") == 1
+    assert log.count("is offered here to this caller") == 3  # replayed, altered id, capability
+
+
+def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:
+    """SIGKILL and restart of each daemon, between requests and under 3 requests in flight:
+    every answer is the plain engine's (a request in flight may fail cleanly instead), the
+    engines stay healthy, transfers flow again within 60 s, and no page stays leased."""
+    trust, base = run["trust"], run["baseline_trust"]
+    for side in ("decode", "prefill"):
+        answers = trust[f"after_{side}_restart"]
+        assert [same_as_plain(trust, base, a) for a in answers] == [""] * 3, side
+        assert trust[f"loaded_after_{side}_restart"] > 0, f"nothing loaded after the {side} restart"
+        for answer in trust[f"inflight_{side}"]:
+            assert "error" in answer or same_as_plain(trust, base, answer) == "", answer["prompt"]
+        assert trust[f"resumed_{side}_s"] is not None and trust[f"resumed_{side}_s"] < 60
+    assert [same_as_plain(trust, base, a) for a in trust["waves"]] == [""] * len(trust["waves"])
+    assert trust["healthy_after_restarts"]
+    assert trust["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}

@@ -7,10 +7,12 @@ baseline beside a disaggregated deployment (two kvxfer daemons, a prefill and
 a decode engine with KvxferConnector, the proxy), sends the same prompts to
 both, concurrently, and prints one JSON object: every answer's tokens and
 logprobs, the engines' and daemons' counters after each phase, and the
-connector's per-transfer records. The decode daemon corrupts every transfer
-whose id contains "corrupt" (its test-only fault hook); requests of the
-negative controls are named so (X-Request-Id). ``--tp 2`` runs every engine with
-two tensor-parallel ranks; ``--no-controls`` leaves the negative controls out.
+connector's per-transfer records. The decode daemon is the tests' fault double
+(``corrupting_daemon.py``): it corrupts every transfer whose id contains
+"corrupt"; requests of the negative controls are named so (X-Request-Id). Then
+the trust phase (``vllm_trust_phase.py``): malformed and forged params, daemons
+killed and restarted. ``--tp 2`` runs every engine with two tensor-parallel
+ranks; ``--no-controls`` leaves the negative controls and the trust phase out.
 test_vllm.py asserts on the output.
 """
 
@@ -18,77 +20,37 @@ from __future__ import annotations
 
 import argparse
 import json
-from concurrent.futures import ThreadPoolExecutor
+import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import vllm_trust_phase
+from vllm_client import ask, ask_all, counters
 
 from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
 
+HERE = Path(__file__).resolve().parent
 #: Prompt lengths in tokens (blocks are 32 tokens): from under one block to seven.
 LENGTHS = [5, 17, 31, 32, 33, 70, 130, 200]
-NEW_TOKENS = 12
 
 
-def ask(http: Any, model: str, text: str, request_id: str, hints: dict[str, Any] | None = None,
-        stream: bool = False) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": NEW_TOKENS,
-                            "temperature": 0, "logprobs": 1, "stream": stream}
-    if hints:
-        body["kv_transfer_params"] = hints
-    headers = {"X-Request-Id": request_id}
-    if stream:
-        pieces = []
-        with http.stream("POST", "/v1/completions", json=body, headers=headers) as reply:
-            reply.raise_for_status()
-            for line in reply.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    pieces.append(json.loads(line[6:])["choices"][0]["text"])
-        return {"text": "".join(pieces)}
-    reply = http.post("/v1/completions", json=body, headers=headers)
-    if reply.status_code != 200:
-        raise RuntimeError(f"{request_id}: HTTP {reply.status_code}: {reply.text[:2000]}")
-    answer = reply.json()
-    choice = answer["choices"][0]
-    return {"text": choice["text"], "tokens": choice["logprobs"]["tokens"],
-            "logprobs": choice["logprobs"]["token_logprobs"],
-            "prompt_tokens": answer["usage"]["prompt_tokens"]}
+def leased_pages_settled(d: Disaggregation, timeout_s: float = 20.0) -> dict[str, dict[str, int]]:
+    """Both daemons' leased pages, once none are (or after ``timeout_s``: what is left)."""
+    from kvxfer.client import KvxferClient
 
-
-def ask_all(make_client: Any, model: str, prompts: list[str], prefix: str,
-            hints: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every prompt at once, one connection each."""
-    def one(i: int) -> dict[str, Any]:
-        with make_client() as http:
-            return ask(http, model, prompts[i], f"{prefix}-{i}", hints)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, range(len(prompts))))
-
-
-def counters(d: Disaggregation, model: str) -> dict[str, float]:
-    assert d.decode is not None and d.prefill is not None
-    assert d.decode_daemon is not None and d.prefill_daemon is not None
-    source = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
-    out = {name: d.decode.metric(source % (model, name))
-           for name in ("external_kv_transfer", "local_compute", "local_cache_hit")}
-    out["prefill_local_compute"] = d.prefill.metric(source % (model, "local_compute"))
-    for state in ("done", "failed"):
-        out[f"decode_daemon_{state}"] = metric(d.decode_daemon.metrics_port,
-                                               f'kvxfer_transfers_total{{role="receiver",state="{state}"}}')
-    out["prefill_daemon_done"] = metric(d.prefill_daemon.metrics_port,
-                                        'kvxfer_transfers_total{role="sender",state="done"}')
-    return out
-
-
-def metric(port: int | None, sample: str) -> float:
-    import httpx
-
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-    for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if name == sample:
-            return float(value)
-    return 0.0
+    assert d.prefill_daemon is not None and d.decode_daemon is not None
+    deadline = time.monotonic() + timeout_s
+    with KvxferClient(d.prefill_daemon.worker_address) as p, \
+            KvxferClient(d.decode_daemon.worker_address) as q:
+        while True:
+            leased = {"prefill": p.leased_pages(), "decode": q.leased_pages()}
+            if all(n == 0 for pools in leased.values() for n in pools.values()):
+                return leased
+            if time.monotonic() > deadline:
+                return leased
+            time.sleep(0.5)
 
 
 def main() -> None:
@@ -108,10 +70,16 @@ def main() -> None:
     baseline = VllmServer("baseline", model, workdir, tp=args.tp).spawn()
     try:
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp,
-                            decode_daemon_env={"KVXFER_FAULT_CORRUPT_RECEIVED": "corrupt"}) as d:
+                            decode_daemon_launcher=[sys.executable, str(HERE / "corrupting_daemon.py"),
+                                                    "corrupt"]) as d:
             baseline.wait_ready()
             out["baseline"] = {name: ask_all(baseline.client, model, prompts, f"base-{name}")
                                for name, prompts in sets.items()}
+            if args.controls:
+                names = list(vllm_trust_phase.PROMPTS)
+                answers = ask_all(baseline.client, model, list(vllm_trust_phase.PROMPTS.values()),
+                                  "base-trust", top=vllm_trust_phase.TOP)
+                out["baseline_trust"] = dict(zip(names, answers))
             baseline.stop()
             out["before"] = counters(d, model)
             out["disaggregated"] = ask_all(d.client, model, sets["A"], "pd")
@@ -134,6 +102,11 @@ def main() -> None:
                 path = workdir / f"{side}-stats.jsonl"
                 records = path.read_text().splitlines() if path.exists() else []
                 out[f"{side}_stats"] = [json.loads(line) for line in records]
+            if args.controls:
+                out["trust"] = vllm_trust_phase.run(d, model)
+                out["trust"]["leased_pages_at_end"] = leased_pages_settled(d)
+                assert d.decode is not None
+                out["trust"]["decode_log"] = d.decode.log()[-200_000:]
     finally:
         baseline.stop()
     print(json.dumps(out))

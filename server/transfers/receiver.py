@@ -48,9 +48,6 @@ from kvxfer.transport import Batch, Transport
 
 log = logging.getLogger("kvxfer.server.transfers")
 
-#: Tests only: set on a receiving daemon to flip the first byte of every transfer it receives
-#: ("1"), or of those whose id contains the value.
-FAULT_CORRUPT_ENV = "KVXFER_FAULT_CORRUPT_RECEIVED"
 
 
 class Receiver:
@@ -68,7 +65,6 @@ class Receiver:
         self._copy_threads = os.cpu_count() or 1
         self._copier = ThreadPoolExecutor(max_workers=self._copy_threads,
                                           thread_name_prefix="kvxfer-copy")
-        self._corrupt = os.environ.get(FAULT_CORRUPT_ENV, "")
 
     async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
         """``caller`` asks where ``claim.transfer_id`` goes, in one of its sessions; post the
@@ -153,24 +149,22 @@ class Receiver:
                 await session.guard(asyncio.shield(asyncio.wrap_future(t.copying)))
             if t.state.final:
                 return
-            t.data_finished = time.monotonic()
-            self._maybe_corrupt(t)
+            self._landed(t)
             t.arrived.set()
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._registry.fail(t, exc)
             return
         await self._until_end(t, session)
 
-    def _maybe_corrupt(self, t: Transfer) -> None:
-        if self._corrupt == "1" or (self._corrupt and self._corrupt in t.id):
-            t.pool.arena.raw[t.chunks[0].dst_offset].bitwise_not_()
+    def _landed(self, t: Transfer) -> None:
+        """Every byte of ``t`` is in its pages (unverified yet)."""
+        t.data_finished = time.monotonic()
 
     async def _receive(self, t: Transfer, batch: Batch, session: InboundSession) -> None:
         try:
             with self._registry.tracing.phase(t, "data"):
                 await session.guard(asyncio.wrap_future(batch.future))
-            t.data_finished = time.monotonic()
-            self._maybe_corrupt(t)
+            self._landed(t)
             if not t.verify:
                 self._registry.finish(t)  # every byte is in place; no Commit will come
             t.arrived.set()

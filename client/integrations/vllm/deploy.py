@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from kvxfer.client.integrations.vllm.layout import model_pool_flag
+from kvxfer.client.integrations.vllm.layout import model_dtype, model_pool_flag
 from kvxfer.client.spawn import LocalDaemon, dev_certs
 from kvxfer.transport import LOOPBACK_ENV
 
@@ -114,7 +114,7 @@ class VllmServer:
         where = ["--host", "127.0.0.1", "--port", str(port)] if port else ["--uds", str(socket)]
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", "bfloat16",
+            *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", model_dtype(model),
             "--max-model-len", str(max_model_len), "--seed", "0", "--tensor-parallel-size", str(tp),
             *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []),
         ]
@@ -196,20 +196,20 @@ class Disaggregation:
     connector, and the proxy.
 
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
-    ``decode_daemon_env`` is extra environment for the decode daemon (the tests' fault
-    hook); ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix
-    sockets in ``workdir``).
+    ``decode_daemon_launcher`` is the command that starts the decode daemon with ``serve``'s
+    arguments (the tests' fault double; default ``kvxfer``); ``ports`` are the proxy's, the
+    prefill's and the decode engine's (None: unix sockets in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
-                 tp: int = 1, decode_daemon_env: dict[str, str] | None = None,
+                 tp: int = 1, decode_daemon_launcher: list[str] | None = None,
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
         self.workdir = workdir
         self.tp = tp
         self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
         self.verify = verify
-        self.decode_daemon_env = decode_daemon_env or {}
+        self.decode_daemon_launcher = decode_daemon_launcher
         self.ports = ports
         self._stack = ExitStack()
         self.proxy_address = ""
@@ -237,7 +237,7 @@ class Disaggregation:
                         tls=tls))
         self.decode_daemon = self._stack.enter_context(
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
-                        env=self.decode_daemon_env, tls=tls))
+                        launcher=self.decode_daemon_launcher, tls=tls))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,

@@ -77,6 +77,16 @@ def pool_flag(layout: BlockLayout, name: str, num_pages: int) -> str:
             f"page_size={layout.block_size},num_pages={num_pages}")
 
 
+def model_dtype(model_dir: str) -> str:
+    """The dtype a Hugging Face model directory's config.json names (what ``--dtype`` and the
+    pool must use); InvalidSpecError if it is not one vLLM serves on CPU."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise InvalidSpecError(f"{model_dir}: dtype {dtype!r} is not one vLLM serves here")
+    return dtype
+
+
 def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
                     tp: int = 1) -> str:
     """The ``--pool`` value for a Hugging Face model directory (its config.json), without
@@ -87,9 +97,7 @@ def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
     if kv_heads % tp:
         raise InvalidSpecError(f"{model_dir}: {kv_heads} KV heads do not split over {tp} ranks")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
-    if dtype not in ("bfloat16", "float16", "float32"):
-        raise InvalidSpecError(f"{model_dir}: dtype {dtype!r} is not one vLLM serves here")
+    dtype = model_dtype(model_dir)
     layout = BlockLayout(model_dir, dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
                          head_dim, tp, "", "")
     MhaSpec(layout.num_layers, layout.num_kv_heads, head_dim, head_dim, dtype, block_size,

@@ -15,6 +15,10 @@ import argparse
 import json
 from pathlib import Path
 
+#: Its dtype. Not bfloat16: on CPUs with AMX, vLLM 0.32 picks its AMX attention kernel for
+#: bfloat16, and that kernel kills the engine (SIGILL) when a step that only continues a
+#: loaded prompt is the first after some 10 s of idling (docs/trust.md, measured here).
+DTYPE = "float16"
 #: Shapes of the test model (what the daemon pools must match: see ``layout``).
 VOCAB = 512
 LAYERS = 2
@@ -47,8 +51,8 @@ def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, max_position_embeddings=2048, initializer_range=initializer_range,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=DTYPE)
+    model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
     model.save_pretrained(out, safe_serialization=True)
     return out
 

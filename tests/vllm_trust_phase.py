@@ -1,0 +1,171 @@
+"""The trust phase of ``vllm_scenario.py``: bad params, forged params and daemon restarts
+against the running disaggregated engines (docs/trust.md). Run under the vLLM environment.
+
+Every case sends one of the ``PROMPTS`` (whose baseline answers the scenario recorded with
+top-5 logprobs) and records what came back, so that ``test_vllm_trust.py`` compares it with
+the plain engine's answer. Cases that bypass the proxy send straight to the decode engine,
+as a client that can reach it would.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vllm_client import ask, ask_all, counters
+
+from kvxfer.client.integrations.vllm.deploy import Disaggregation
+from kvxfer.client.integrations.vllm.tiny_model import prompt
+
+#: Top logprobs compared per generated token.
+TOP = 5
+#: The prompts of the phase, by name (lengths in words = tokens); F and G have one length.
+PROMPTS = {
+    **{f"M{i}": prompt(seed=300 + i, words=40 + 20 * i) for i in range(3)},
+    "F": prompt(seed=310, words=90), "G": prompt(seed=311, words=90),
+    **{f"R{i}": prompt(seed=320 + i, words=50 + 10 * i) for i in range(4)},
+    **{f"D{i}": prompt(seed=330 + i, words=60 + 10 * i) for i in range(3)},
+    **{f"P{i}": prompt(seed=340 + i, words=60 + 10 * i) for i in range(3)},
+    **{f"K{i}": prompt(seed=350 + i, words=70 + 10 * i) for i in range(6)},
+    **{f"W{i}": prompt(seed=360 + i, words=45 + 5 * i) for i in range(12)},
+}
+#: How long after a daemon restart transfers must flow again.
+RESUME_S = 60.0
+
+
+def malformed(layout: dict[str, Any]) -> list[dict[str, Any]]:
+    """Params the decode engine must refuse (and compute the prompt itself)."""
+    return [
+        {"do_remote_prefill": True, "kvxfer": "x" * 64},
+        {"do_remote_prefill": True, "kvxfer": {"transfer_id": "x", "peer": "127.0.0.1:1",
+                                               "num_tokens": 100_000, "layout": layout}},
+        {"do_remote_prefill": "yes", "kvxfer": {"version": 1}},
+    ]
+
+
+class Phase:
+    """The running deployment, and a record of what each case answered."""
+
+    def __init__(self, d: Disaggregation, model: str) -> None:
+        assert d.decode is not None and d.prefill is not None
+        self.d, self.model = d, model
+        self.out: dict[str, Any] = {}
+
+    def direct(self, name: str, params: dict[str, Any] | None, case: str) -> dict[str, Any]:
+        """``PROMPTS[name]`` straight to the decode engine with ``params``."""
+        assert self.d.decode is not None
+        with self.d.decode.client() as http:
+            return self._asked(http, name, params, case)
+
+    def proxied(self, name: str, case: str) -> dict[str, Any]:
+        with self.d.client() as http:
+            return self._asked(http, name, None, case)
+
+    def _asked(self, http: Any, name: str, params: dict[str, Any] | None, case: str) -> dict[str, Any]:
+        try:
+            answer = ask(http, self.model, PROMPTS[name], case, params, top=TOP)
+        except RuntimeError as exc:  # an HTTP error: recorded, the test says if it may be
+            answer = {"error": str(exc)[:500]}
+        answer["prompt"] = name
+        return answer
+
+    def prefilled(self, name: str, case: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` the prefill engine answers for ``PROMPTS[name]``."""
+        assert self.d.prefill is not None
+        with self.d.prefill.client() as http:
+            reply = http.post("/v1/completions", headers={"X-Request-Id": case}, json={
+                "model": self.model, "prompt": PROMPTS[name], "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True}})
+            reply.raise_for_status()
+            params: dict[str, Any] = reply.json()["kv_transfer_params"]
+            return params
+
+    def healthy(self) -> bool:
+        assert self.d.decode is not None and self.d.prefill is not None
+        for engine in (self.d.decode, self.d.prefill):
+            with engine.client(timeout_s=10) as http:
+                if http.get("/health").status_code != 200:
+                    return False
+        return True
+
+    def loaded_tokens(self) -> float:
+        return counters(self.d, self.model)["external_kv_transfer"]
+
+
+def forged_cases(phase: Phase) -> None:
+    out = phase.out
+    layout = phase.prefilled("M0", "layout-probe")["kvxfer"]["layout"]
+    out["malformed"] = [phase.direct(f"M{i}", params, f"malformed-{i}")
+                        for i, params in enumerate(malformed(layout))]
+    f_params = phase.prefilled("F", "forge-source")
+    out["other_prompt"] = phase.direct("G", f_params, "forged-other-prompt")
+    out["other_prompt_plain_after"] = phase.direct("G", None, "plain-after-forgery")
+    replayed = phase.prefilled("R0", "replay-source")
+    out["replay_first"] = phase.direct("R0", replayed, "replay-first")
+    out["replay_again"] = phase.direct("R0", copy.deepcopy(replayed), "replay-again")
+    altered = phase.prefilled("R1", "altered-source")
+    altered["kvxfer"]["transfer_id"] += "x"
+    out["altered_id"] = phase.direct("R1", altered, "altered-id")
+    stolen = phase.prefilled("R2", "capability-source")
+    stolen["kvxfer"]["capabilities"] = ["0" * 32]
+    out["wrong_capability"] = phase.direct("R2", stolen, "wrong-capability")
+    closed = phase.prefilled("R3", "closed-peer-source")
+    closed["kvxfer"]["peer"] = "127.0.0.1:1"
+    out["closed_peer"] = phase.direct("R3", closed, "closed-peer")
+    out["healthy_after_forgeries"] = phase.healthy()
+
+
+def restart_cases(phase: Phase) -> None:
+    """A daemon killed (SIGKILL) and restarted between requests, then under requests in
+    flight; each time, answers and how soon transfers moved again."""
+    d, out = phase.d, phase.out
+    assert d.decode_daemon is not None and d.prefill_daemon is not None
+    waves = iter(f"W{i}" for i in range(12))
+    for side, daemon in (("decode", d.decode_daemon), ("prefill", d.prefill_daemon)):
+        batch = [f"D{i}" for i in range(3)] if side == "decode" else [f"P{i}" for i in range(3)]
+        daemon.restart()
+        before = phase.loaded_tokens()
+        out[f"after_{side}_restart"] = ask_all_named(phase, batch, f"after-{side}-restart")
+        out[f"loaded_after_{side}_restart"] = phase.loaded_tokens() - before
+    for side, daemon in (("prefill", d.prefill_daemon), ("decode", d.decode_daemon)):
+        names = [f"K{i}" for i in (range(3) if side == "prefill" else range(3, 6))]
+        with ThreadPoolExecutor(len(names)) as pool:
+            flying = [pool.submit(phase.proxied, name, f"inflight-{side}-{name}") for name in names]
+            time.sleep(0.2)
+            restarted = time.monotonic()
+            daemon.restart()  # SIGKILL, then the same socket and peer port
+            out[f"inflight_{side}"] = [f.result(300) for f in flying]
+        out[f"resumed_{side}_s"] = resume(phase, waves, restarted, out.setdefault("waves", []))
+    out["healthy_after_restarts"] = phase.healthy()
+
+
+def ask_all_named(phase: Phase, names: list[str], prefix: str) -> list[dict[str, Any]]:
+    answers = ask_all(phase.d.client, phase.model, [PROMPTS[n] for n in names], prefix, top=TOP)
+    for name, answer in zip(names, answers):
+        answer["prompt"] = name
+    return answers
+
+
+def resume(phase: Phase, waves: Any, since: float, record: list[dict[str, Any]]) -> float | None:
+    """Seconds from ``since`` until a new prompt through the proxy is loaded from the prefill
+    side again (None if not within ``RESUME_S``); every answer goes to ``record``."""
+    while time.monotonic() - since < RESUME_S:
+        name = next(waves, None)
+        if name is None:
+            return None
+        before = phase.loaded_tokens()
+        record.append(phase.proxied(name, f"wave-{name}"))
+        if phase.loaded_tokens() > before:
+            return time.monotonic() - since
+        time.sleep(2)
+    return None
+
+
+def run(d: Disaggregation, model: str) -> dict[str, Any]:
+    """Every case, in order; what each answered."""
+    phase = Phase(d, model)
+    forged_cases(phase)
+    restart_cases(phase)
+    return phase.out
