@@ -103,7 +103,7 @@ class LeaseInfo:
     expires_in_s: float
     holder: str
     arena_epoch: str = ""
-    capability: str = ""
+    capability: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

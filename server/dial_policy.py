@@ -2,12 +2,16 @@
 
 A pull names the peer to fetch from, and in vLLM that address arrives in a request's
 ``kv_transfer_params``: client input. So the daemon dials only addresses its operator
-allows, as networks (CIDRs); the default is loopback only. A name is resolved first and
-every address it resolves to must be allowed; nothing is sent to a refused peer.
+allows, as networks (CIDRs); the default is loopback only. A name is resolved (without
+blocking the event loop, within ``RESOLVE_S``) at every dial and every address it resolves
+to must be allowed; nothing is sent to a refused peer. gRPC resolves the name again when
+it connects: a DNS server that answers differently between the two (rebinding) is not
+defended against, so name peers by address, or by names only a trusted DNS serves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import socket
 from collections.abc import Sequence
@@ -16,6 +20,8 @@ from kvxfer.errors import DialNotAllowedError, InvalidSpecError, PeerUnavailable
 
 #: The default policy: this host only.
 LOOPBACK = ("127.0.0.0/8", "::1/128")
+#: The longest a peer's name may take to resolve.
+RESOLVE_S = 2.0
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -38,16 +44,20 @@ class DialPolicy:
     def __init__(self, allowed: Sequence[str]) -> None:
         self.networks = parse_networks(allowed)
 
-    def check(self, address: str) -> None:
-        """Return if ``address`` (host:port) may be dialled; else DialNotAllowedError (the
-        address is outside the policy) or PeerUnavailableError (its name does not resolve)."""
-        host, _, port = address.rpartition(":")
+    async def check(self, address: str) -> None:
+        """Return if ``address`` (host:port, or a bare host) may be dialled; else
+        DialNotAllowedError (outside the policy) or PeerUnavailableError (its name does not
+        resolve in time)."""
+        host, colon, port = address.rpartition(":")
+        if not colon or host.endswith(":") or (":" in host and not host.startswith("[")):
+            host, port = address, ""  # a bare host, IPv6 included
         host = host.removeprefix("[").removesuffix("]")
         try:
-            found = {str(info[4][0]) for info in socket.getaddrinfo(host, port or None,
-                                                                type=socket.SOCK_STREAM)}
-        except (socket.gaierror, UnicodeError) as exc:
-            raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc}") from None
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                host, port or None, type=socket.SOCK_STREAM), RESOLVE_S)
+        except (OSError, UnicodeError, TimeoutError) as exc:
+            raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc!r}") from None
+        found = {str(info[4][0]) for info in infos}
         outside = sorted(a for a in found if not self.allows(a))
         if outside:
             raise DialNotAllowedError(
@@ -57,4 +67,6 @@ class DialPolicy:
     def allows(self, ip: str) -> bool:
         """Whether the address ``ip`` lies in an allowed network."""
         parsed = ipaddress.ip_address(ip.split("%", 1)[0])
+        if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
+            parsed = parsed.ipv4_mapped
         return any(parsed.version == n.version and parsed in n for n in self.networks)

@@ -167,16 +167,13 @@ class PeerClients:
         self._clients: dict[str, PeerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
 
-    def get(self, address: str) -> PeerClient:
+    async def get(self, address: str) -> PeerClient:
         """The client of the peer at ``address`` (host:port), over mutual TLS if configured;
-        DialNotAllowedError (counted) if the dial policy refuses the address."""
+        DialNotAllowedError (counted) if the dial policy refuses the address (checked at
+        every call: a name may resolve elsewhere by now)."""
+        await self.check(address)
         client = self._clients.get(address)
         if client is None:
-            try:
-                self._policy.check(address)
-            except DialNotAllowedError:
-                self._metrics.dials_refused.inc()
-                raise
             if self._tls is None:
                 channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
             else:
@@ -185,6 +182,14 @@ class PeerClients:
             self._channels.append(channel)
             client = self._clients[address] = PeerClient(address, channel, self._metrics)
         return client
+
+    async def check(self, address: str) -> None:
+        """Raise DialNotAllowedError (counted) unless the dial policy allows ``address``."""
+        try:
+            await self._policy.check(address)
+        except DialNotAllowedError:
+            self._metrics.dials_refused.inc()
+            raise
 
     async def close(self) -> None:
         """Close every channel."""

@@ -64,6 +64,7 @@ class Claim:
     verify: bool
     chunk_bytes: int
     lanes: int
+    capability: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def claim_to_proto(claim: Claim) -> pb.ClaimRequest:
     return pb.ClaimRequest(
         transfer_id=claim.transfer_id, session_id=claim.session_id, src_pool=claim.src_pool,
         src_runs=runs_to_proto(claim.src_runs), timeout_s=claim.timeout_s, verify=claim.verify,
-        chunk_bytes=claim.chunk_bytes, lanes=claim.lanes,
+        chunk_bytes=claim.chunk_bytes, lanes=claim.lanes, capability=claim.capability,
     )
 
 
@@ -176,7 +177,8 @@ def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
                                 f"or at least {MIN_CHUNK_BYTES}")
     return Claim(check_id("transfer_id", msg.transfer_id), check_id("session_id", msg.session_id),
                  msg.src_pool, runs_from_proto(msg.src_runs),
-                 check_seconds("timeout_s", msg.timeout_s), msg.verify, msg.chunk_bytes, msg.lanes)
+                 check_seconds("timeout_s", msg.timeout_s), msg.verify, msg.chunk_bytes, msg.lanes,
+                 check_text("capability", msg.capability))
 
 
 def grant_to_proto(grant: ClaimGrant) -> pb.ClaimResponse:

@@ -172,9 +172,10 @@ class Sessions:
         if self._closing.is_set():
             raise PeerUnavailableError("this daemon is shutting down; no new sessions")
         session_id = uuid.uuid4().hex
-        client = self._clients.get(address)
+        client = await self._clients.get(address)
         mine = self.hello(session_id)
         peer = await client.handshake(mine, deadline)
+        await self._clients.check(peer.ucx_host)  # where it says its UCX listens: dialled too
         if peer.ucx_error_handling != mine.ucx_error_handling:
             raise IncompatibleLayoutError(
                 f"peer {address} runs UCX with error_handling={peer.ucx_error_handling}, we run "

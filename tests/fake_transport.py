@@ -104,7 +104,7 @@ class FakeNetwork:
 class FakeTransport:
     """One daemon's end of a ``FakeNetwork``."""
 
-    host = "fake"
+    host = "127.0.0.1"  # never dialled: the daemons' dial policy still checks it
 
     def __init__(self, network: FakeNetwork, port: int, lanes: int) -> None:
         self._network = network

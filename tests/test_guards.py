@@ -5,7 +5,9 @@ transport. For each guard (capability, prompt digest, dial policy, protocol vers
 memory epoch) a test shows the refusal and that nothing moved, and a negative control
 switches the guard off through a test-only seam (``monkeypatch`` of the one function
 that implements it) and shows the bad outcome it prevents: bytes delivered to a forger,
-KV of another prompt delivered, a peer dialled, a stranger's handshake accepted.
+KV of another prompt delivered, a peer dialled, a stranger's handshake accepted, a
+stranger's claim filling a pull. (The memory epoch's negative control is the connector's,
+in ``test_vllm_trust.py``: a restart then changes the KV.)
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def test_a_pull_must_present_the_offers_capability(tmp_path: Path) -> None:
 def test_negative_control_without_the_capability_check_a_forger_gets_the_pages(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvxfer.server.transfers.sender.presents", lambda given, held: True)
+    monkeypatch.setattr("kvxfer.server.transfers.receiver.presents", lambda given, held: True)
 
     async def body() -> None:
         async with daemons(tmp_path) as (sender, receiver):
@@ -158,7 +161,10 @@ def test_a_peer_outside_the_dial_policy_is_never_dialled(tmp_path: Path) -> None
 
 def test_negative_control_without_the_dial_policy_the_peer_is_dialled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvxfer.server.dial_policy.DialPolicy.check", lambda self, address: None)
+    async def allow(self: object, address: str) -> None:
+        return None
+
+    monkeypatch.setattr("kvxfer.server.dial_policy.DialPolicy.check", allow)
 
     async def body() -> None:
         async with daemons(tmp_path, dial_allow=["127.0.0.2/32"]) as (sender, receiver):

@@ -5,6 +5,7 @@ is untouched by everyone else's attempts."""
 from __future__ import annotations
 
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -237,8 +239,8 @@ def test_an_admitted_peer_without_the_capability_cannot_pull_or_abort_an_offer(
         finally:
             eve.close()
         for code, message in answers:
-            assert code == grpc.StatusCode.NOT_FOUND and message.endswith("offered here to this caller")
-        assert {m.split("'")[2] for _, m in answers} == {" is offered here to this caller"}
+            assert code == grpc.StatusCode.NOT_FOUND and message.endswith("here is open to this caller")
+        assert {m.split("'")[2] for _, m in answers} == {" here is open to this caller"}
         assert p.transfers()[0].state.name == "WAITING"
         p.offer("not-offered-yet", "kv", PageRuns.of([(60, 1)]), timeout_s=60)
         got = d.pull("vllm-like", pre.peer_address, "kv", dst_runs, timeout_s=60,
@@ -248,3 +250,29 @@ def test_an_admitted_peer_without_the_capability_cannot_pull_or_abort_an_offer(
         assert {t.transfer_id: t.state.name for t in p.transfers()}["not-offered-yet"] == "WAITING"
     assert offered.capability not in pre.log() and offered.capability not in dec.log()
     assert "request-push transfer='vllm-like'" in pre.log()  # audited, capability left out
+
+
+def test_an_admitted_peer_without_the_capability_cannot_fill_a_pull(spawn, tmp_path: Path) -> None:
+    """A pull waits for its sender's claim; eve, admitted and with a session of her own,
+    claims it first without the capability: NOT_FOUND, and no byte of its pages changes."""
+    ca = tmp_path / "ca"
+    issue_certs(ca, ["decode", "eve"])
+    dec = spawn("decode", [POOL], tls=ca)
+    with socket.socket() as silent, KvxferClient(dec.worker_address) as d, d.attach("kv") as dst:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # connects, never answers: the pull waits for its deadline
+        before = dst.raw.clone()
+        d.pull("waiting", f"127.0.0.1:{silent.getsockname()[1]}", "kv", PageRuns.of([(0, 2)]),
+               timeout_s=20, capability="a" * 32)
+        eve = PeerAs(dec, ca, "eve", descriptor_to_proto(d.describe("kv")[0]))
+        try:
+            session = eve.open_session("eve-session")
+            for capability in ("", "b" * 32):
+                request = eve.claim_request("waiting", session, PageRuns.of([(0, 2)]))
+                request.capability = capability
+                code, message = refused(eve.stub.Claim, request)
+                assert code == grpc.StatusCode.NOT_FOUND and message.endswith("here is open to this caller")
+        finally:
+            eve.close()
+        assert d.transfers()[0].state.name == "WAITING"
+        assert torch.equal(dst.raw, before)

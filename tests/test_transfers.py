@@ -106,7 +106,7 @@ def test_a_pull_presents_the_offers_capability_once(pair) -> None:
                    capability=offered.capability, wait=True)
     for refused in (early, wrong, again):
         assert isinstance(refused.failure, TransferNotFoundError), refused.error
-        assert refused.error.endswith("is offered here to this caller") and refused.seconds < 5
+        assert refused.error.endswith("here is open to this caller") and refused.seconds < 5
     assert torch.equal(dst.raw, moved)
 
 

@@ -173,7 +173,7 @@ def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
     assert {c: same_as_plain(trust, base, trust[c]) for c in cases} == dict.fromkeys(cases, "")
     log = trust["decode_log"]
     assert log.count("holds KV computed from another prompt than the puller's") == 1
-    assert log.count("is offered here to this caller") == 3  # replayed, altered id, capability
+    assert log.count("here is open to this caller") == 3  # replayed, altered id, capability
 
 
 def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:

@@ -73,11 +73,15 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
         "valid", "absent", "not_asked", "asked_not_bool", "kvxfer_not_object", "kvxfer_missing",
         "version_other", "version_missing", "extra_key", "missing_key", "field_type",
         "bad_transfer_id", "bad_peer", "bad_capability", "capabilities_count", "layout_missing",
-        "layout_extra", "layout_type", "layout_out_of_range", "layout_differs", "embeds"]))
+        "layout_extra", "layout_type", "layout_out_of_range", "layout_differs", "embeds",
+        "both_flags"]))
     if kind == "valid":
         return params, "load"
     if kind == "embeds":
         return params, "unsupported"
+    if kind == "both_flags":
+        params["do_remote_decode"] = True
+        return params, "malformed"
     if kind == "bad_capability":
         ours["capabilities"] = [draw(bad_capabilities)]
         return params, "malformed"

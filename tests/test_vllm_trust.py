@@ -8,6 +8,9 @@ bad outcome the guard prevents, so the guard's test can fail.
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,20 +123,32 @@ def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, 
     assert not equal and errors == set()  # wrong KV, and nothing says so
 
 
-def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines) -> None:
-    """Its transfer died with the daemon: the load fails at the next step, not its deadline."""
+@pytest.mark.parametrize("lost", [True, False], ids=["guarded", "negative-control"])
+def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkeypatch,
+                                                                  lost: bool) -> None:
+    """Its transfer died with the daemon: the load fails at the next step, not at its
+    deadline. The prefill daemon is stopped (SIGSTOP) so that the pull stays in flight.
+    Negative control: without ``_lost`` the load would wait for its deadline."""
+    if not lost:
+        monkeypatch.setattr(WorkerSide, "_lost", lambda self, epoch: None)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 1, "transfer_id": "P/never", "peer": engines.pre.peer_address,
+              "kvxfer": {"version": 1, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict()}}
     dreq = Request("orphan", 64, params)
     assert engines.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
     engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
-    engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
-    engines.work_d.start_load_kv()
-    assert engines.work_d.get_finished() == set()
-    engines.dec.restart()
-    assert engines.work_d.get_finished() == {"orphan"}
-    assert engines.work_d.take_failed() == {"orphan"}
+    os.kill(engines.pre.pid, signal.SIGSTOP)
+    try:
+        engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+        engines.work_d.start_load_kv()
+        time.sleep(0.5)
+        assert engines.work_d.get_finished() == set()  # the pull waits on the frozen daemon
+        engines.dec.restart()
+        finished = engines.work_d.get_finished()
+    finally:
+        os.kill(engines.pre.pid, signal.SIGCONT)
+    assert (finished, engines.work_d.take_failed()) == (({"orphan"}, {"orphan"}) if lost
+                                                        else (set(), set()))
 
 
 def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:

@@ -1476,6 +1476,7 @@ class ClaimRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     session_id: _builtins.str
     src_pool: _builtins.str
@@ -1485,6 +1486,10 @@ class ClaimRequest(_message.Message):
     chunk_bytes: _builtins.int
     lanes: _builtins.int
     """lanes the sender has connected (0: 1)"""
+    capability: _builtins.str
+    """A pull's capability (the one its RequestPush presented): a claim of a pull without it
+    is NOT_FOUND, like an id that does not exist.
+    """
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
@@ -1498,10 +1503,11 @@ class ClaimRequest(_message.Message):
         verify: _builtins.bool = ...,
         chunk_bytes: _builtins.int = ...,
         lanes: _builtins.int = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "lanes", b"lanes", "session_id", b"session_id", "src_pool", b"src_pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "chunk_bytes", b"chunk_bytes", "lanes", b"lanes", "session_id", b"session_id", "src_pool", b"src_pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1577,8 +1583,8 @@ Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
 
 @_typing.final
 class RequestPushRequest(_message.Message):
-    """Pull: the receiver asks the sender to push transfer_id to it. The sender
-    waits (up to timeout_s) for the matching Offer, then pushes to reply_to.
+    """Pull: the receiver asks the sender to push transfer_id to it. The Offer must be
+    registered already; the sender then pushes to reply_to (timeout_s is informational).
     An offer that is not registered here, or whose capability differs or was presented
     before, is NOT_FOUND at once, all with the same message.
     """

@@ -1,8 +1,10 @@
-"""An offer's capability (the secret a pull, once, and an early abort must present) and
-its prompt digest (what the pull's must equal).
+"""A pull's capability and prompt digest.
 
-Compared in constant time, and every refusal (an id not offered here, a wrong or spent
-capability, a peer the offer does not name) is the same NOT_FOUND, so a caller learns
+The capability is the secret the offer holds: its RequestPush must present it (once), the
+claim of the pulled transfer on the decode side must present it, and so must an abort of
+either before a session claimed it. The prompt digest is what the pull's must equal.
+Compared in constant time, and every refusal (an id not registered here, a wrong or spent
+capability, a peer the transfer does not name) is the same NOT_FOUND, so a caller learns
 nothing about which transfers exist. A capability is never logged.
 """
 
@@ -23,6 +25,6 @@ def same_prompt(presented: bytes, recorded: bytes) -> bool:
     return hmac.compare_digest(presented, recorded)
 
 
-def not_offered(transfer_id: str) -> TransferNotFoundError:
-    """The one answer to anything that may not pull or abort ``transfer_id``."""
-    return TransferNotFoundError(f"no transfer {transfer_id!r} is offered here to this caller")
+def not_open_to_caller(transfer_id: str) -> TransferNotFoundError:
+    """The one answer to anything that may not pull, claim or abort ``transfer_id``."""
+    return TransferNotFoundError(f"no transfer {transfer_id!r} here is open to this caller")

@@ -35,7 +35,7 @@ from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
-from kvxfer.server.transfers.capability import not_offered, presents
+from kvxfer.server.transfers.capability import not_open_to_caller, presents
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -235,20 +235,20 @@ class TransferCoordinator:
         """``caller`` ended a transfer; end our side too.
 
         A claimed transfer may be aborted only through the session that claimed it. An
-        unclaimed offer only by a caller presenting its capability (and, if it names a peer,
-        that peer): anything else, and an id not registered here, is NOT_FOUND with the
-        same message, and nothing is remembered. An unclaimed expect or pull only by the
-        peer it names (any admitted peer if it names none). Anything else is
+        unclaimed offer or pull only by a caller presenting its capability (and, if it names
+        a peer, that peer): anything else, and an id not registered here, is NOT_FOUND with
+        the same message, and nothing is remembered. An unclaimed expect only by the peer
+        it names (any admitted peer if it names none). Anything else is
         PeerNotAllowedError and changes nothing.
         """
         t = self.registry.find(abort.transfer_id)
         reason = abort.reason or "no reason given"
         if t is None:
-            raise not_offered(abort.transfer_id)
-        if t.role == TransferRole.SENDER and t.capability and not t.session_id:
+            raise not_open_to_caller(abort.transfer_id)
+        if t.capability and not t.session_id:
             if not (presents(abort.capability, t.capability)
                     and (not t.peer_identity or caller.is_named(t.peer_identity))):
-                raise not_offered(abort.transfer_id)
+                raise not_open_to_caller(abort.transfer_id)
         if t.state.final:
             return
         if t.session_id:
@@ -272,7 +272,7 @@ class TransferCoordinator:
 
     async def _tell(self, peer: str, abort: PeerAbort) -> None:
         try:
-            await self._clients.get(peer).abort_transfer(abort, TELL_PEER_S)
+            await (await self._clients.get(peer)).abort_transfer(abort, TELL_PEER_S)
         except KvxferError as exc:
             log.info("could not tell %s that %s ended: %s", peer, abort.transfer_id, exc)
 

@@ -40,6 +40,7 @@ from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import InboundSession, Sessions
 from kvxfer.server.tls import Caller
+from kvxfer.server.transfers.capability import not_open_to_caller, presents
 from kvxfer.server.transfers.planning import TagAllocator, plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -47,7 +48,6 @@ from kvxfer.status import TransferInfo, TransferRole, TransferState
 from kvxfer.transport import Batch, Transport
 
 log = logging.getLogger("kvxfer.server.transfers")
-
 
 
 class Receiver:
@@ -71,6 +71,8 @@ class Receiver:
         receives and answer. A transfer that names another peer identity is refused."""
         session = self._sessions.inbound(claim.session_id, caller)
         t = await self._registry.rendezvous(claim.transfer_id, TransferRole.RECEIVER, wait_s, "expect")
+        if t.capability and not presents(claim.capability, t.capability):
+            raise not_open_to_caller(claim.transfer_id)  # a pull: its sender knows the capability
         if t.peer_identity and not caller.is_named(t.peer_identity):
             raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
                                       f"{caller.name} may not claim it")
@@ -230,6 +232,6 @@ class Receiver:
                               t.prompt_digest)
         try:
             with self._registry.tracing.phase(t, "request_push"):
-                await self._clients.get(t.peer).request_push(request, t.deadline)
+                await (await self._clients.get(t.peer)).request_push(request, t.deadline)
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             self._registry.fail(t, exc)

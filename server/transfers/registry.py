@@ -239,4 +239,3 @@ class TransferRegistry:
             log.error("transfer %s failed unexpectedly", t.id, exc_info=exc, extra=t.log_fields)
             exc = InternalError(f"internal error: {type(exc).__name__}: {exc}")
         self.finish(t, exc)
-

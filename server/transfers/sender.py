@@ -30,7 +30,7 @@ from kvxfer.integrity import checksum
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
-from kvxfer.server.transfers.capability import not_offered, presents, same_prompt
+from kvxfer.server.transfers.capability import not_open_to_caller, presents, same_prompt
 from kvxfer.server.transfers.planning import plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -62,7 +62,7 @@ class Sender:
         if (t is None or t.role != TransferRole.SENDER or t.capability_spent
                 or not presents(request.capability, t.capability)
                 or (t.peer_identity and not caller.is_named(t.peer_identity))):
-            raise not_offered(request.transfer_id)
+            raise not_open_to_caller(request.transfer_id)
         t.capability_spent = True
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} already ended")
@@ -94,7 +94,7 @@ class Sender:
         assert session.client is not None and session.connection is not None
         connection = session.connection
         claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.remaining(), t.verify,
-                      self._chunk_bytes, connection.lanes)
+                      self._chunk_bytes, connection.lanes, t.capability)
         tracing = self._registry.tracing
         with tracing.phase(t, "claim"):
             grant = await session.client.claim(claim, t.deadline)

@@ -65,7 +65,7 @@ class KvxferParamsV1(_Strict):
     transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     peer: str = Field(pattern=PEER_PATTERN)
     capabilities: list[Annotated[str, Field(pattern=CAPABILITY_PATTERN)]] = Field(
-        min_length=1, max_length=1 << 16)
+        min_length=1, max_length=1 << 16, repr=False)
     layout: LayoutV1
 
 
@@ -76,7 +76,7 @@ class RemotePrefill:
 
     transfer_id: str
     peer: str
-    capabilities: tuple[str, ...]
+    capabilities: tuple[str, ...] = field(repr=False)
     layout: BlockLayout
 
     def to_params(self) -> dict[str, Any]:
@@ -105,6 +105,9 @@ def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refu
         return None
     if asked is not True:
         return Refusal("malformed", f"do_remote_prefill is {_short(asked)}, expected true or false")
+    if params.get("do_remote_decode") is True:
+        return Refusal("malformed", "do_remote_prefill and do_remote_decode are both true; a "
+                                    "request is either prefilled elsewhere or handed off")
     raw = params.get("kvxfer")
     if not isinstance(raw, dict):
         return Refusal("malformed", f"kvxfer is {_short(raw)}, expected an object of params "

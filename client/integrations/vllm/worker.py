@@ -240,9 +240,9 @@ class WorkerSide:
             for tid, pending in list(self._pending.items()):
                 if pending.load.req_id == req_id:
                     del self._pending[tid]
+                    self._finished.add(req_id)
                     self._abort(tid, "its request ended")
                     self._release(pending.lease.lease_id)
-                    self._finished.add(req_id)
         for load in self._plan.loads:
             if load.refused:
                 self._fail(load, load.refused)
@@ -291,8 +291,13 @@ class WorkerSide:
         self._cursor = ended.cursor
         for info in infos:
             pending = self._pending.pop(info.transfer_id, None)
-            if pending is not None:
+            if pending is None:
+                continue
+            try:
                 self._land(pending, info)
+            except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
+                self._release(pending.lease.lease_id)
+                self._fail(pending.load, f"copying it in failed: {type(exc).__name__}: {exc}")
 
     def _lost(self, epoch: str) -> None:
         """The daemon's memory epoch is ``epoch``: fail at once every pending load of another
@@ -356,17 +361,19 @@ class WorkerSide:
     # -- both ------------------------------------------------------------------------------------
 
     def _release(self, lease_id: str) -> None:
+        """Release a lease; never raises (the daemon frees it when it expires)."""
         try:
             self._client.release(lease_id)
         except LeaseNotFoundError:
             pass  # it ended with its transfer, or expired
-        except KvxferError as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
             log.warning("could not release lease %s: %s", lease_id, exc)
 
     def _abort(self, transfer_id: str, why: str) -> None:
+        """Abort a transfer; never raises (it ends at its deadline otherwise)."""
         try:
             self._client.abort(transfer_id, why)
-        except KvxferError as exc:
+        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
             log.info("could not abort %s: %s", transfer_id, exc)
 
     def shutdown(self) -> None:
