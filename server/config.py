@@ -231,7 +231,7 @@ class DaemonConfig(BaseSettings):
         8, "sessions one peer identity may hold open to this daemon (a peer needs one; a "
            "restarted peer briefly two)", ABOVE_ZERO, gt=0)
     max_pending_claims: int = _setting(
-        1024, "peer calls that may wait at once for a worker's expect or offer", ABOVE_ZERO, gt=0)
+        1024, "peer claims that may wait at once for a worker's expect", ABOVE_ZERO, gt=0)
     max_active_transfers: int = _setting(
         16384, "transfers registered here and not yet ended", ABOVE_ZERO, gt=0)
     max_message_bytes: int = _setting(

@@ -90,12 +90,11 @@ class Commit:
 
 @dataclass(frozen=True)
 class PushRequest:
-    """A puller asks the sender to push ``transfer_id`` to ``reply_to`` once it is offered."""
+    """A puller asks the sender to push ``transfer_id`` (offered here) to ``reply_to``,
+    presenting the offer's capability and the prompt digest it expects."""
 
     transfer_id: str
     reply_to: str
-    dst_pool: str
-    timeout_s: float
     capability: str = field(default="", repr=False)
     prompt_digest: bytes = b""
 
@@ -209,19 +208,16 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
 def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
     """A push request as its message."""
     return pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
-                                 dst_pool=request.dst_pool, timeout_s=request.timeout_s,
                                  capability=request.capability,
                                  prompt_digest=request.prompt_digest)
 
 
 def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
-    """Decode a push request (its id, address and deadline are validated)."""
+    """Decode a push request (its id, address, capability and digest are validated)."""
     if not msg.reply_to:
         raise InvalidRangeError("reply_to is empty; expected the puller's peer address host:port")
     return PushRequest(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
-                       msg.dst_pool, check_seconds("timeout_s", msg.timeout_s),
-                       check_text("capability", msg.capability),
-                       check_digest(msg.prompt_digest))
+                       check_text("capability", msg.capability), check_digest(msg.prompt_digest))
 
 
 def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:

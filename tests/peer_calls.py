@@ -72,8 +72,7 @@ class PeerAs:
         """Ask for an offer to be pushed to an address nobody listens at (nothing is sent
         unless the request is accepted)."""
         self.stub.RequestPush(pb.RequestPushRequest(
-            transfer_id=transfer_id, reply_to="127.0.0.1:1", dst_pool=self._pool.name,
-            timeout_s=5, capability=capability), timeout=5)
+            transfer_id=transfer_id, reply_to="127.0.0.1:1", capability=capability), timeout=5)
 
     def close(self) -> None:
         self._closed.set()

@@ -1584,7 +1584,7 @@ Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
 @_typing.final
 class RequestPushRequest(_message.Message):
     """Pull: the receiver asks the sender to push transfer_id to it. The Offer must be
-    registered already; the sender then pushes to reply_to (timeout_s is informational).
+    registered already; the sender then pushes to reply_to, within the offer's deadline.
     An offer that is not registered here, or whose capability differs or was presented
     before, is NOT_FOUND at once, all with the same message.
     """
@@ -1593,15 +1593,11 @@ class RequestPushRequest(_message.Message):
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     REPLY_TO_FIELD_NUMBER: _builtins.int
-    DST_POOL_FIELD_NUMBER: _builtins.int
-    TIMEOUT_S_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     reply_to: _builtins.str
     """the receiver's peer address"""
-    dst_pool: _builtins.str
-    timeout_s: _builtins.float
     capability: _builtins.str
     """the offer's capability, compared in constant time"""
     prompt_digest: _builtins.bytes
@@ -1611,14 +1607,12 @@ class RequestPushRequest(_message.Message):
         *,
         transfer_id: _builtins.str = ...,
         reply_to: _builtins.str = ...,
-        dst_pool: _builtins.str = ...,
-        timeout_s: _builtins.float = ...,
         capability: _builtins.str = ...,
         prompt_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_pool", b"dst_pool", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

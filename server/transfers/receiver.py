@@ -224,12 +224,11 @@ class Receiver:
         return None
 
     def start_pull(self, t: Transfer) -> None:
-        """Ask the daemon at ``t.peer`` to push ``t`` here (it waits for its offer)."""
+        """Ask the daemon at ``t.peer`` to push ``t`` here (its offer must be there already)."""
         t.task = asyncio.create_task(self._request_push(t), name=f"pull {t.id}")
 
     async def _request_push(self, t: Transfer) -> None:
-        request = PushRequest(t.id, self._peer_address, t.pool.name, t.remaining(), t.capability,
-                              t.prompt_digest)
+        request = PushRequest(t.id, self._peer_address, t.capability, t.prompt_digest)
         try:
             with self._registry.tracing.phase(t, "request_push"):
                 await (await self._clients.get(t.peer)).request_push(request, t.deadline)

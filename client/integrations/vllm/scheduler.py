@@ -17,8 +17,8 @@ its own daemon and copies them into those blocks (``Load``). How many tokens is
 the engine's own prompt length, never a number from params. Params that are
 malformed, of another version or of another block layout are refused before
 any block is allocated: the request is computed here like an ordinary prompt,
-and ``refusals`` counts it by reason. A load that fails later reports its
-blocks invalid (``kv_load_failure_policy`` decides: recompute or fail). A
+and ``refusals`` counts it by reason (the log names each). A load that fails
+later is reported failed (``kv_load_failure_policy`` decides: recompute or fail). A
 request that ends while its load is pending is cancelled in the next plan; its
 blocks are reported finished so vLLM frees them.
 
