@@ -14,8 +14,10 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, Request
@@ -220,3 +222,21 @@ def test_the_prompt_digest_changes_with_everything_the_kv_depends_on(tokens: lis
     assert prompt_digest(request()) == prompt_digest(request())
     assert prompt_digest(request()) != prompt_digest(request(**changed))
     assert prompt_digest(request(prompt_embeds=object())) is None
+
+
+def test_negative_control_a_lenient_reading_lets_one_request_raise_into_the_scheduler(
+        monkeypatch: Any) -> None:
+    """The strict parser switched off (the connector's reading before params v1: fields
+    taken as they come): a malformed request raises out of the entry point vLLM's
+    scheduler calls (which, unguarded, killed the engine core)."""
+    def lenient(params: Any, ours: Any) -> Any:
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        raw = params["kvxfer"]
+        return SimpleNamespace(transfer_id=str(raw["transfer_id"]), peer=str(raw["peer"]),
+                               num_tokens=int(raw["num_tokens"]), capabilities=())
+
+    monkeypatch.setattr("kvxfer.client.integrations.vllm.scheduler.parse_remote_prefill", lenient)
+    decode = SchedulerSide(load_settings({}), LAYOUT, "D", producer=False, consumer=True, client=None)
+    with pytest.raises(TypeError):
+        decode.get_num_new_matched_tokens(Request("x", 10, {"do_remote_prefill": True, "kvxfer": "x" * 8}), 0)

@@ -20,6 +20,7 @@ import torch
 from test_vllm_connector import LAYOUT, POOL, Request, kv_caches, settings, wait_finished
 
 from kvxfer.client import KvxferClient
+from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 
@@ -203,3 +204,25 @@ def test_negative_control_without_the_prompt_digest_another_prompts_kv_loads(
                         lambda request: b"")
     rid, failed, got = forged_hand_off(engines, decode_seed=1)
     assert failed == set() and got  # KV of prompt A served as prompt B's, and nothing says so
+
+
+def test_a_failed_entry_point_fails_only_its_own_requests(engines) -> None:
+    """What the connector answers when one of its entry points raised (its ``_guarded``
+    fallbacks): a request whose blocks were allocated gets a load that fails at once
+    (``fail_load``), a plan that could not be built fails its loads (``failed_plan``), and
+    the worker reports both failed, so vLLM recomputes them instead of waiting forever."""
+    sched, worker = engines.sched_d, engines.work_d
+    params = RemotePrefill("P/x", engines.pre.peer_address, ("0" * 32,), LAYOUT).to_params()
+    first, second = Request("first", 64, dict(params)), Request("second", 64, dict(params))
+    for request in (first, second):
+        assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
+    sched.fail_load(first, [1, 2], 64, "update_state_after_alloc failed")
+    sched.update_state_after_alloc(second, [3, 4], 64)
+    plan = sched.failed_plan("build_connector_meta failed")
+    assert [(load.req_id, load.refused) for load in plan.loads] == [
+        ("first", "update_state_after_alloc failed"), ("second", "build_connector_meta failed")]
+    worker.bind(plan)
+    worker.start_load_kv()
+    assert worker.get_finished() == worker.take_failed() == {"first", "second"}
+    with KvxferClient(engines.dec.worker_address) as d:
+        assert d.transfers() == [] and d.leased_pages() == {"kv": 0}  # nothing was asked

@@ -122,7 +122,8 @@ class SchedulerSide:
     def failed_plan(self, why: str) -> StepPlan:
         """This step's plan when building it failed: its loads fail at once (vLLM computes
         their blocks), its saves are dropped (the decode engines compute those prompts)."""
-        plan = StepPlan(loads=[dataclasses.replace(load, refused=why) for load in self._new_loads],
+        plan = StepPlan(loads=[dataclasses.replace(load, refused=load.refused or why)
+                               for load in self._new_loads],
                         cancels=self._cancels)
         self._new_loads, self._cancels = [], []
         return plan
