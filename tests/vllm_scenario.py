@@ -69,7 +69,10 @@ def main() -> None:
     out: dict[str, Any] = {"model": model, "lengths": LENGTHS, "tp": args.tp}
     baseline = VllmServer("baseline", model, workdir, tp=args.tp).spawn()
     try:
-        with Disaggregation(model, workdir, num_pages=512, tp=args.tp,
+        free = vllm_trust_phase.free_port
+        # TCP ports where vllm-router (the trust phase) must reach the engines.
+        ports = (free(), free(), free()) if args.controls else None
+        with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
                             decode_daemon_launcher=[sys.executable, str(HERE / "corrupting_daemon.py"),
                                                     "corrupt"]) as d:
             baseline.wait_ready()

@@ -10,13 +10,18 @@ as a client that can reach it would.
 from __future__ import annotations
 
 import copy
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 from vllm_client import ask, ask_all, counters
 
-from kvxfer.client.integrations.vllm.deploy import Disaggregation
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, http_client, wait_healthy
 from kvxfer.client.integrations.vllm.tiny_model import prompt
 
 #: Top logprobs compared per generated token.
@@ -33,6 +38,47 @@ PROMPTS = {
 }
 #: How long after a daemon restart transfers must flow again.
 RESUME_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (vllm-router needs TCP addresses)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class Router:
+    """``vllm-router --vllm-pd-disaggregation`` in front of the deployment's engines, as vLLM
+    users run it (``--kv-connector nixl``: kvxfer follows NixlConnector's params convention)."""
+
+    def __init__(self, d: Disaggregation) -> None:
+        assert d.prefill is not None and d.decode is not None
+        self.address = f"http://127.0.0.1:{free_port()}"
+        self._log = d.workdir / "router.log"
+        self._args = [str(Path(sys.executable).parent / "vllm-router"), "--vllm-pd-disaggregation",
+                      "--prefill", d.prefill.address, "--decode", d.decode.address,
+                      "--host", "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
+                      "--kv-connector", "nixl", "--policy", "round_robin"]
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Router:
+        with open(self._log, "wb") as log:
+            self._process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
+        wait_healthy(self.address, self._process, "vllm-router", self._log, 60.0)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._process is not None:
+            self._process.terminate()
+            try:
+                self._process.wait(10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait(10)
+
+    def client(self) -> Any:
+        return http_client(self.address, 300.0)
 
 
 def malformed(layout: dict[str, Any]) -> list[dict[str, Any]]:
@@ -59,8 +105,9 @@ class Phase:
         with self.d.decode.client() as http:
             return self._asked(http, name, params, case)
 
-    def proxied(self, name: str, case: str) -> dict[str, Any]:
-        with self.d.client() as http:
+    def routed(self, router: Router, name: str, case: str) -> dict[str, Any]:
+        """``PROMPTS[name]`` through vllm-router."""
+        with router.client() as http:
             return self._asked(http, name, None, case)
 
     def _asked(self, http: Any, name: str, params: dict[str, Any] | None, case: str) -> dict[str, Any]:
@@ -117,9 +164,10 @@ def forged_cases(phase: Phase) -> None:
     out["healthy_after_forgeries"] = phase.healthy()
 
 
-def restart_cases(phase: Phase) -> None:
-    """A daemon killed (SIGKILL) and restarted between requests, then under requests in
-    flight; each time, answers and how soon transfers moved again."""
+def restart_cases(phase: Phase, router: Router) -> None:
+    """A daemon killed (SIGKILL) and restarted between requests (through the proxy), then
+    under 3 requests in flight through vllm-router; each time, answers and how soon
+    transfers moved again."""
     d, out = phase.d, phase.out
     assert d.decode_daemon is not None and d.prefill_daemon is not None
     waves = iter(f"W{i}" for i in range(12))
@@ -132,12 +180,14 @@ def restart_cases(phase: Phase) -> None:
     for side, daemon in (("prefill", d.prefill_daemon), ("decode", d.decode_daemon)):
         names = [f"K{i}" for i in (range(3) if side == "prefill" else range(3, 6))]
         with ThreadPoolExecutor(len(names)) as pool:
-            flying = [pool.submit(phase.proxied, name, f"inflight-{side}-{name}") for name in names]
+            flying = [pool.submit(phase.routed, router, name, f"inflight-{side}-{name}")
+                      for name in names]
             time.sleep(0.2)
             restarted = time.monotonic()
             daemon.restart()  # SIGKILL, then the same socket and peer port
             out[f"inflight_{side}"] = [f.result(300) for f in flying]
-        out[f"resumed_{side}_s"] = resume(phase, waves, restarted, out.setdefault("waves", []))
+        out[f"resumed_{side}_s"] = resume(phase, router, waves, restarted,
+                                          out.setdefault("waves", []))
     out["healthy_after_restarts"] = phase.healthy()
 
 
@@ -148,15 +198,16 @@ def ask_all_named(phase: Phase, names: list[str], prefix: str) -> list[dict[str,
     return answers
 
 
-def resume(phase: Phase, waves: Any, since: float, record: list[dict[str, Any]]) -> float | None:
-    """Seconds from ``since`` until a new prompt through the proxy is loaded from the prefill
-    side again (None if not within ``RESUME_S``); every answer goes to ``record``."""
+def resume(phase: Phase, router: Router, waves: Any, since: float,
+           record: list[dict[str, Any]]) -> float | None:
+    """Seconds from ``since`` until a new prompt through vllm-router is loaded from the
+    prefill side again (None if not within ``RESUME_S``); every answer goes to ``record``."""
     while time.monotonic() - since < RESUME_S:
         name = next(waves, None)
         if name is None:
             return None
         before = phase.loaded_tokens()
-        record.append(phase.proxied(name, f"wave-{name}"))
+        record.append(phase.routed(router, name, f"wave-{name}"))
         if phase.loaded_tokens() > before:
             return time.monotonic() - since
         time.sleep(2)
@@ -167,5 +218,6 @@ def run(d: Disaggregation, model: str) -> dict[str, Any]:
     """Every case, in order; what each answered."""
     phase = Phase(d, model)
     forged_cases(phase)
-    restart_cases(phase)
+    with Router(d) as router:
+        restart_cases(phase, router)
     return phase.out
