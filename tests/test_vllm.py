@@ -181,16 +181,18 @@ def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run
 
 def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
     """Another prompt's params (same length), params used twice, an altered transfer id, a
-    wrong capability, a closed peer port: each load fails, the prompt is computed on the
-    decode engine, and the answer is the plain engine's; the forged prompt asked plainly
-    afterwards too (no KV of another prompt entered its prefix cache)."""
+    wrong capability, a closed peer port, a peer outside the decode daemon's --dial-allow
+    (never dialled: counted): each load fails, the prompt is computed on the decode engine,
+    and the answer is the plain engine's; the forged prompt asked plainly afterwards too (no
+    KV of another prompt entered its prefix cache)."""
     trust, base = run["trust"], run["baseline_trust"]
     cases = ("other_prompt", "other_prompt_plain_after", "replay_first", "replay_again",
-             "altered_id", "wrong_capability", "closed_peer")
+             "altered_id", "wrong_capability", "closed_peer", "outside_policy")
     assert {c: same_as_plain(trust, base, trust[c]) for c in cases} == dict.fromkeys(cases, "")
     log = trust["decode_log"]
     assert log.count("holds KV computed from another prompt than the puller's") == 1
     assert log.count("here is open to this caller") == 3  # replayed, altered id, capability
+    assert trust["dials_refused"] == 1 and "outside this daemon's dial_allow" in log
 
 
 def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:

@@ -72,7 +72,9 @@ def main() -> None:
         free = vllm_trust_phase.free_port
         # TCP ports where vllm-router (the trust phase) must reach the engines.
         ports = (free(), free(), free()) if args.controls else None
+        # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
+                            daemon_args=["--dial-allow", "127.0.0.1/32"],
                             decode_daemon_launcher=[sys.executable, str(HERE / "corrupting_daemon.py"),
                                                     "corrupt"]) as d:
             baseline.wait_ready()

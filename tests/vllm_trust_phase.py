@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from vllm_client import ask, ask_all, counters
+from vllm_client import ask, ask_all, counters, metric
 
 from kvxfer.client.integrations.vllm.deploy import Disaggregation, http_client, wait_healthy
 from kvxfer.client.integrations.vllm.tiny_model import prompt
@@ -30,7 +30,7 @@ TOP = 5
 PROMPTS = {
     **{f"M{i}": prompt(seed=300 + i, words=40 + 20 * i) for i in range(3)},
     "F": prompt(seed=310, words=90), "G": prompt(seed=311, words=90),
-    **{f"R{i}": prompt(seed=320 + i, words=50 + 10 * i) for i in range(4)},
+    **{f"R{i}": prompt(seed=320 + i, words=50 + 10 * i) for i in range(5)},
     **{f"D{i}": prompt(seed=330 + i, words=60 + 10 * i) for i in range(3)},
     **{f"P{i}": prompt(seed=340 + i, words=60 + 10 * i) for i in range(3)},
     **{f"K{i}": prompt(seed=350 + i, words=70 + 10 * i) for i in range(6)},
@@ -141,6 +141,12 @@ class Phase:
         return counters(self.d, self.model)["external_kv_transfer"]
 
 
+def dials_refused(d: Disaggregation) -> float:
+    """Peer addresses the decode daemon refused to dial (``--dial-allow``), so far."""
+    assert d.decode_daemon is not None
+    return metric(d.decode_daemon.metrics_port, "kvxfer_dials_refused_total")
+
+
 def forged_cases(phase: Phase) -> None:
     out = phase.out
     layout = phase.prefilled("M0", "layout-probe")["kvxfer"]["layout"]
@@ -161,6 +167,11 @@ def forged_cases(phase: Phase) -> None:
     closed = phase.prefilled("R3", "closed-peer-source")
     closed["kvxfer"]["peer"] = "127.0.0.1:1"
     out["closed_peer"] = phase.direct("R3", closed, "closed-peer")
+    outside = phase.prefilled("R4", "outside-source")
+    outside["kvxfer"]["peer"] = outside["kvxfer"]["peer"].replace("127.0.0.1:", "127.0.0.2:")
+    refused_before = dials_refused(phase.d)
+    out["outside_policy"] = phase.direct("R4", outside, "outside-policy")
+    out["dials_refused"] = dials_refused(phase.d) - refused_before
     out["healthy_after_forgeries"] = phase.healthy()
 
 

@@ -197,12 +197,14 @@ class Disaggregation:
 
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
     ``decode_daemon_launcher`` is the command that starts the decode daemon with ``serve``'s
-    arguments (the tests' fault double; default ``kvxfer``); ``ports`` are the proxy's, the
-    prefill's and the decode engine's (None: unix sockets in ``workdir``).
+    arguments (the tests' fault double; default ``kvxfer``); ``daemon_args`` are more
+    ``kvxfer serve`` flags for both daemons; ``ports`` are the proxy's, the prefill's and the
+    decode engine's (None: unix sockets in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
                  tp: int = 1, decode_daemon_launcher: list[str] | None = None,
+                 daemon_args: list[str] | None = None,
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
         self.workdir = workdir
@@ -210,6 +212,7 @@ class Disaggregation:
         self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
         self.verify = verify
         self.decode_daemon_launcher = decode_daemon_launcher
+        self.daemon_args = daemon_args or []
         self.ports = ports
         self._stack = ExitStack()
         self.proxy_address = ""
@@ -234,10 +237,10 @@ class Disaggregation:
         tls = self._stack.enter_context(dev_certs("prefill-daemon", "decode-daemon"))
         self.prefill_daemon = self._stack.enter_context(
             LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True,
-                        tls=tls))
+                        tls=tls, extra_args=self.daemon_args))
         self.decode_daemon = self._stack.enter_context(
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
-                        launcher=self.decode_daemon_launcher, tls=tls))
+                        launcher=self.decode_daemon_launcher, tls=tls, extra_args=self.daemon_args))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,
