@@ -50,6 +50,8 @@ class Lease:
     #: What an offer of these pages holds (see ``kvxfer.server.transfers``): told only in the
     #: answer to the Allocate that made the lease.
     capability: str = field(default_factory=lambda: secrets.token_hex(CAPABILITY_BYTES), repr=False)
+    #: Its capability went to an offer already (a later offer of its pages mints its own).
+    capability_offered: bool = False
 
     def expires_in(self) -> float:
         """Seconds until it expires (0 when past)."""

@@ -174,10 +174,11 @@ class PeerClients:
         await self.check(address)
         client = self._clients.get(address)
         if client is None:
+            target = f"dns:///{address}"  # never another scheme (unix:, ...) from a peer address
             if self._tls is None:
-                channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+                channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
             else:
-                channel = grpc.aio.secure_channel(address, self._tls.channel_credentials(),
+                channel = grpc.aio.secure_channel(target, self._tls.channel_credentials(),
                                                   options=CHANNEL_OPTIONS)
             self._channels.append(channel)
             client = self._clients[address] = PeerClient(address, channel, self._metrics)

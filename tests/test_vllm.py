@@ -169,13 +169,13 @@ def same_as_plain(trust: dict[str, Any], base: dict[str, Any], answer: dict[str,
 
 
 def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run) -> None:
-    """Straight to the decode engine: a string for the kvxfer params, pre-v1 params with
-    100,000 tokens, do_remote_prefill "yes". Each is refused, counted in the log by reason,
-    and the prompt computed there: the plain engine's answer, top-5 logprobs included."""
+    """Straight to the decode engine: a string for the kvxfer params, v1 params with an
+    extra num_tokens of 100,000, do_remote_prefill "yes". Each is refused, named in the
+    log, and the prompt computed there: the plain engine's answer, top-5 logprobs included."""
     trust, base = run["trust"], run["baseline_trust"]
     assert [same_as_plain(trust, base, a) for a in trust["malformed"]] == ["", "", ""]
     log = trust["decode_log"]
-    assert log.count("(params malformed:") == 2 and log.count("(params version:") == 1
+    assert log.count("(params malformed:") == 3 and "kvxfer.num_tokens: Extra inputs" in log
     assert trust["healthy_after_forgeries"]
 
 
@@ -196,9 +196,10 @@ def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
 
 
 def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:
-    """SIGKILL and restart of each daemon, between requests and under 3 requests in flight:
-    every answer is the plain engine's (a request in flight may fail cleanly instead), the
-    engines stay healthy, transfers flow again within 60 s, and no page stays leased."""
+    """SIGKILL and restart of each daemon, between requests and under 3 requests in flight
+    (the daemon frozen first, so they wait on it): every answer is the plain engine's (a
+    request in flight may fail cleanly instead), the engines stay healthy, transfers flow
+    again within 60 s, and no page stays leased."""
     trust, base = run["trust"], run["baseline_trust"]
     for side in ("decode", "prefill"):
         answers = trust[f"after_{side}_restart"]

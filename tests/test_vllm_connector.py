@@ -9,7 +9,11 @@ same code inside real vLLM engines.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -146,9 +150,11 @@ class PendingLoad:
         return all(torch.equal(self.kv[k], self.before[k]) for k in self.kv)
 
 
-def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
-    """Start loading a 64-token prompt into blocks 8 and 9 that nobody will ever send."""
-    params = RemotePrefill("P/never-offered", pre.peer_address, ("0" * 32,), LAYOUT).to_params()
+@contextmanager
+def pending_load(pre, dec, req_id: str, **extra: Any) -> Iterator[PendingLoad]:
+    """Start loading a 64-token prompt into blocks 8 and 9 from a prefill daemon frozen
+    (SIGSTOP) for the duration, so that the load stays in flight."""
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32,), LAYOUT).to_params()
     sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
                           client=None)
     worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
@@ -157,40 +163,43 @@ def pending_load(pre, dec, req_id: str, **extra: Any) -> PendingLoad:
     request = Request(req_id, 64, params)
     sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, [8, 9], 64)
-    worker.bind(sched.build_plan({}, lambda _: []))
-    worker.start_load_kv()
-    return PendingLoad(sched, worker, request, kv, {k: v.clone() for k, v in kv.items()})
+    os.kill(pre.pid, signal.SIGSTOP)
+    try:
+        worker.bind(sched.build_plan({}, lambda _: []))
+        worker.start_load_kv()
+        yield PendingLoad(sched, worker, request, kv, {k: v.clone() for k, v in kv.items()})
+    finally:
+        os.kill(pre.pid, signal.SIGCONT)
+        worker.shutdown()
 
 
 def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_untouched(pair) -> None:
     """vLLM frees the blocks of a request that ended while waiting for its KV only once the
     connector reports its load finished: the cancelled load is reported, exactly once."""
     pre, dec = pair
-    load = pending_load(pre, dec, "gone")
-    assert load.worker.get_finished() == set()
-    assert load.sched.request_finished(load.request) is None  # the client went away
-    load.worker.bind(load.sched.build_plan({}, lambda _: []))
-    load.worker.start_load_kv()
-    with KvxferClient(dec.worker_address) as d:
+    with pending_load(pre, dec, "gone") as load, KvxferClient(dec.worker_address) as d:
+        assert load.worker.get_finished() == set()
+        assert d.leased_pages() == {"kv": 2}
+        assert load.sched.request_finished(load.request) is None  # the client went away
+        load.worker.bind(load.sched.build_plan({}, lambda _: []))
+        load.worker.start_load_kv()
         [info] = d.transfers()
         assert info.state.name == "ABORTED" and "its request ended" in info.error
-        assert d.leased_pages() == {"kv": 0}
-    assert load.worker.get_finished() == {"gone"} and load.worker.take_failed() == set()
-    assert load.worker.get_finished() == set()
-    assert load.untouched()
-    load.worker.shutdown()
+        assert load.worker.get_finished() == {"gone"} and load.worker.take_failed() == set()
+        assert d.leased_pages() == {"kv": 0}  # released once the daemon told the end
+        assert load.worker.get_finished() == set()
+        assert load.untouched()
 
 
 def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, monkeypatch) -> None:
     monkeypatch.setattr("kvxfer.client.integrations.vllm.worker.EXPIRY_GRACE_S", 0.0)
     pre, dec = pair
-    load = pending_load(pre, dec, "orphan", timeout_s=1)
-    dec.kill()
-    assert load.worker.get_finished() == set()  # the daemon does not answer: the load waits
-    time.sleep(1.1)
-    assert load.worker.get_finished() == {"orphan"} and load.worker.take_failed() == {"orphan"}
-    assert load.untouched()
-    load.worker.shutdown()
+    with pending_load(pre, dec, "orphan", timeout_s=1) as load:
+        dec.kill()
+        assert load.worker.get_finished() == set()  # the daemon does not answer: the load waits
+        time.sleep(1.1)
+        assert load.worker.get_finished() == {"orphan"} and load.worker.take_failed() == {"orphan"}
+        assert load.untouched()
 
 
 def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> None:

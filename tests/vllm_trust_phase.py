@@ -10,6 +10,7 @@ as a client that can reach it would.
 from __future__ import annotations
 
 import copy
+import signal
 import socket
 import subprocess
 import sys
@@ -85,7 +86,8 @@ def malformed(layout: dict[str, Any]) -> list[dict[str, Any]]:
     """Params the decode engine must refuse (and compute the prompt itself)."""
     return [
         {"do_remote_prefill": True, "kvxfer": "x" * 64},
-        {"do_remote_prefill": True, "kvxfer": {"transfer_id": "x", "peer": "127.0.0.1:1",
+        {"do_remote_prefill": True, "kvxfer": {"version": 1, "transfer_id": "x",
+                                               "peer": "127.0.0.1:1", "capabilities": ["0" * 32],
                                                "num_tokens": 100_000, "layout": layout}},
         {"do_remote_prefill": "yes", "kvxfer": {"version": 1}},
     ]
@@ -190,10 +192,11 @@ def restart_cases(phase: Phase, router: Router) -> None:
         out[f"loaded_after_{side}_restart"] = phase.loaded_tokens() - before
     for side, daemon in (("prefill", d.prefill_daemon), ("decode", d.decode_daemon)):
         names = [f"K{i}" for i in (range(3) if side == "prefill" else range(3, 6))]
+        daemon.process.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
         with ThreadPoolExecutor(len(names)) as pool:
             flying = [pool.submit(phase.routed, router, name, f"inflight-{side}-{name}")
                       for name in names]
-            time.sleep(0.2)
+            time.sleep(1.0)  # the requests now wait on the frozen daemon: surely in flight
             restarted = time.monotonic()
             daemon.restart()  # SIGKILL, then the same socket and peer port
             out[f"inflight_{side}"] = [f.result(300) for f in flying]

@@ -125,12 +125,16 @@ class TransferCoordinator:
         (empty: of any admitted peer) that presents the offer's capability (the lease's, or
         one minted now) and ``prompt_digest`` (prefill side)."""
         check_digest(prompt_digest)
+        held = self.leases.get(lease.lease_id) if lease.lease_id else None
+        capability = secrets.token_hex(CAPABILITY_BYTES)
+        if held is not None and not held.capability_offered:
+            capability = held.capability  # the one Allocate told, for the lease's first offer
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
                            verify=verify, disjoint=False, lease=lease,
-                           peer_identity=peer_identity)
-        t.capability = (self.leases.get(lease.lease_id).capability if lease.lease_id
-                        else secrets.token_hex(CAPABILITY_BYTES))
-        t.prompt_digest = prompt_digest
+                           peer_identity=peer_identity, capability=capability,
+                           prompt_digest=prompt_digest)
+        if held is not None:
+            held.capability_offered = True
         return t
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
@@ -141,11 +145,14 @@ class TransferCoordinator:
         computed from; with ``peer_identity``, only that peer's session may fill it."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
+        if not capability:
+            raise InvalidRangeError("capability is empty; a pull presents its offer's capability "
+                                    "(the offer's or its lease's answer holds it)")
         check_text("capability", capability)
         check_digest(prompt_digest)
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                           peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity)
-        t.capability, t.prompt_digest = capability, prompt_digest
+                           peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity,
+                           capability=capability, prompt_digest=prompt_digest)
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -190,7 +197,8 @@ class TransferCoordinator:
 
     def _register(self, transfer_id: str, role: TransferRole, pool: str, runs: PageRuns,
                   timeout_s: float, *, verify: bool = False, peer: str = "",
-                  disjoint: bool, lease: LeaseUse, peer_identity: str = "") -> Transfer:
+                  disjoint: bool, lease: LeaseUse, peer_identity: str = "", capability: str = "",
+                  prompt_digest: bytes = b"") -> Transfer:
         if peer_identity and not self._authenticated_peers:
             raise InvalidRangeError(
                 f"peer_identity={peer_identity!r} names a certificate, but this daemon's peer "
@@ -204,7 +212,8 @@ class TransferCoordinator:
         t = self.registry.register(transfer_id, role, pool, runs, timeout_s, verify=verify,
                                    peer=peer, disjoint=disjoint, lease_id=lease.lease_id,
                                    release_lease=lease.release_lease,
-                                   peer_identity=peer_identity)
+                                   peer_identity=peer_identity, capability=capability,
+                                   prompt_digest=prompt_digest)
         if not t.state.final:
             t.timer = asyncio.get_running_loop().call_later(t.timeout_s, self._expire, t)
         return t
@@ -245,9 +254,13 @@ class TransferCoordinator:
         reason = abort.reason or "no reason given"
         if t is None:
             raise not_open_to_caller(abort.transfer_id)
-        if t.capability and not t.session_id:
-            if not (presents(abort.capability, t.capability)
-                    and (not t.peer_identity or caller.is_named(t.peer_identity))):
+        if t.capability:  # an offer or a pull: whoever may not abort it learns nothing
+            if t.session_id:
+                allowed = abort.session_id == t.session_id and self._sessions.owns(t.session_id, caller)
+            else:
+                allowed = presents(abort.capability, t.capability) and (
+                    not t.peer_identity or caller.is_named(t.peer_identity))
+            if not allowed:
                 raise not_open_to_caller(abort.transfer_id)
         if t.state.final:
             return

@@ -90,7 +90,8 @@ class TransferRegistry:
     def register(self, transfer_id: str, role: TransferRole, pool_name: str, runs: PageRuns,
                  timeout_s: float, *, verify: bool = False, peer: str = "", disjoint: bool,
                  lease_id: str = "", release_lease: bool = False,
-                 peer_identity: str = "") -> Transfer:
+                 peer_identity: str = "", capability: str = "",
+                 prompt_digest: bytes = b"") -> Transfer:
         """Record a new transfer (``timeout_s`` 0: the default). With ``lease_id`` its runs
         must lie in that lease of the same pool. Raises for a bad request, a busy id, past
         ``active_transfers``, or while shutting down."""
@@ -124,7 +125,8 @@ class TransferRegistry:
         timeout = timeout_s or self.default_timeout_s
         t = Transfer(transfer_id, role, pool, runs, timeout, time.monotonic() + timeout,
                      verify=verify, peer=peer, lease_id=lease_id, release_lease=release_lease,
-                     peer_identity=peer_identity)
+                     peer_identity=peer_identity, capability=capability,
+                     prompt_digest=prompt_digest)
         self._transfers.pop(transfer_id, None)
         self._transfers[transfer_id] = t
         self._unfinished.add(t)

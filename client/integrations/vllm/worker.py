@@ -41,7 +41,13 @@ from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.library import AttachedPool, KvxferClient
-from kvxfer.errors import IncompatibleLayoutError, KvxferError, LeaseNotFoundError, StaleArenaError
+from kvxfer.errors import (
+    IncompatibleLayoutError,
+    KvxferError,
+    LeaseNotFoundError,
+    StaleArenaError,
+    TransferExistsError,
+)
 from kvxfer.pages import PageRuns
 from kvxfer.status import LeaseInfo, TransferInfo
 
@@ -53,13 +59,15 @@ EXPIRY_GRACE_S = 10.0
 
 @dataclass
 class PendingLoad:
-    """A pull in flight: where its pages land, when it started, and the memory epoch of
-    the mapping it lands in."""
+    """A pull in flight: where its pages land, when it started, the memory epoch of the
+    mapping it lands in, and when the daemon registered it (a completion of an earlier
+    registration of the same id is not its own)."""
 
     load: Load
     lease: LeaseInfo
     started: float
     epoch: str
+    registered_unix: float
 
 
 class TransferStats:
@@ -69,9 +77,14 @@ class TransferStats:
         self._path = Path(path) if path else None
 
     def record(self, **fields: Any) -> None:
-        if self._path is not None:
+        """Append one record; never raises (a full disk must not stop the engine's step)."""
+        if self._path is None:
+            return
+        try:
             with self._path.open("a") as out:
                 out.write(json.dumps({"unix_time": time.time(), **fields}) + "\n")
+        except OSError as exc:
+            log.warning("kvxfer: could not write %s: %s", self._path, exc)
 
 
 def _layer_index(name: str) -> int:
@@ -107,6 +120,7 @@ class WorkerSide:
         self._layers_saved: Counter[str] = Counter()  # transfer id -> layers copied this step
         self._copy_out: dict[str, float] = {}
         self._pending: dict[str, PendingLoad] = {}
+        self._releasing: dict[str, PendingLoad] = {}  # dropped loads whose end is not told yet
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._cursor = 0
@@ -149,6 +163,7 @@ class WorkerSide:
         self._lost(self._epoch)
 
     def _detach(self) -> None:
+        self._epoch = ""
         if self._pool is not None:
             self._pages = torch.empty(0, dtype=torch.uint8)
             self._pool.detach()
@@ -242,7 +257,7 @@ class WorkerSide:
                     del self._pending[tid]
                     self._finished.add(req_id)
                     self._abort(tid, "its request ended")
-                    self._release(pending.lease.lease_id)
+                    self._release_after(tid, pending)
         for load in self._plan.loads:
             if load.refused:
                 self._fail(load, load.refused)
@@ -253,24 +268,34 @@ class WorkerSide:
                 self._fail(load, f"{type(exc).__name__}: {exc}")
 
     def _start(self, load: Load) -> None:
-        """Lease pages for ``load`` in the daemon's current memory and pull into them."""
+        """Lease pages for ``load`` in the daemon's current memory and pull into them. A
+        transfer id this worker is still loading (params used twice) is refused here."""
+        transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
+        if transfer_id in self._pending or transfer_id in self._releasing:
+            raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
         lease = self._client.allocate(self._settings.pool, load.num_pages,
                                       self._settings.lease_s, holder=f"vllm {self._engine_id}")
-        transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
         try:
             self._current(lease.arena_epoch)
-            self._client.pull(transfer_id, load.peer, self._settings.pool, lease.runs,
-                              timeout_s=self._settings.timeout_s, lease_id=lease.lease_id,
-                              arena_epoch=self._epoch, capability=load.capabilities[self._rank],
-                              prompt_digest=load.prompt_digest)
+            pulled = self._client.pull(
+                transfer_id, load.peer, self._settings.pool, lease.runs,
+                timeout_s=self._settings.timeout_s, lease_id=lease.lease_id,
+                arena_epoch=self._epoch, capability=load.capabilities[self._rank],
+                prompt_digest=load.prompt_digest)
         except BaseException:
             self._release(lease.lease_id)
             raise
-        self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch)
+        self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch,
+                                                 pulled.created_unix)
+
+    def _release_after(self, transfer_id: str, pending: PendingLoad) -> None:
+        """Release ``pending``'s lease once the daemon reports its transfer ended: until then
+        bytes already on their way may still land in its pages."""
+        self._releasing[transfer_id] = pending
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see take_failed)."""
-        if self._pending:
+        if self._pending or self._releasing:
             try:
                 self._poll()
             except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
@@ -290,9 +315,14 @@ class WorkerSide:
             infos = [i for i in self._client.transfers() if i.state.final]
         self._cursor = ended.cursor
         for info in infos:
-            pending = self._pending.pop(info.transfer_id, None)
-            if pending is None:
-                continue
+            dropped = self._releasing.get(info.transfer_id)
+            if dropped is not None and info.created_unix == dropped.registered_unix:
+                del self._releasing[info.transfer_id]
+                self._release(dropped.lease.lease_id)
+            pending = self._pending.get(info.transfer_id)
+            if pending is None or info.created_unix != pending.registered_unix:
+                continue  # not ours, or an earlier registration of the same id
+            del self._pending[info.transfer_id]
             try:
                 self._land(pending, info)
             except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
@@ -305,9 +335,11 @@ class WorkerSide:
         for tid, pending in list(self._pending.items()):
             if pending.epoch != epoch:
                 del self._pending[tid]
-                self._release(pending.lease.lease_id)
                 self._fail(pending.load, f"the daemon restarted (memory epoch {epoch[:12]}, "
                                          f"the load's {pending.epoch[:12]}): its transfer is gone")
+        for tid, dropped in list(self._releasing.items()):
+            if dropped.epoch != epoch:
+                del self._releasing[tid]  # its lease went with the daemon
 
     def _expire(self) -> None:
         """Fail the loads the daemon has not ended well past their deadline (it did not
@@ -318,8 +350,12 @@ class WorkerSide:
             if now - pending.started > limit:
                 del self._pending[tid]
                 self._abort(tid, "no ending reported by its deadline")
-                self._release(pending.lease.lease_id)
+                self._release_after(tid, pending)
                 self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s")
+        for tid, dropped in list(self._releasing.items()):
+            if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
+                del self._releasing[tid]
+                self._release(dropped.lease.lease_id)
 
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
