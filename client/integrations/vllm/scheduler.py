@@ -165,9 +165,9 @@ class SchedulerSide:
     def build_plan(self, scheduled: dict[str, tuple[int, int]],
                    block_ids_of: Callable[[str], list[int]]) -> StepPlan:
         """This step's plan; ``scheduled`` gives each scheduled request's (computed tokens,
-        tokens scheduled now)."""
-        plan = StepPlan(loads=self._new_loads, cancels=self._cancels)
-        self._new_loads, self._cancels = [], []
+        tokens scheduled now). The loads leave ``_new_loads`` only with the finished plan:
+        if anything here raised, ``failed_plan`` still fails them."""
+        plan = StepPlan()
         for req_id, request in list(self._to_save.items()):
             if req_id not in scheduled:
                 continue
@@ -185,6 +185,8 @@ class SchedulerSide:
             if save is not None:
                 self._saved[req_id] = save
                 plan.saves.append(save)
+        plan.loads, plan.cancels = self._new_loads, self._cancels
+        self._new_loads, self._cancels = [], []
         return plan
 
     def _lease(self, request: Any, block_ids: list[int]) -> Save | None:
