@@ -22,7 +22,12 @@ from typing import Any
 
 from vllm_client import ask, ask_all, counters, metric
 
-from kvxfer.client.integrations.vllm.deploy import Disaggregation, http_client, wait_healthy
+from kvxfer.client.integrations.vllm.deploy import (
+    Disaggregation,
+    http_client,
+    stop_process,
+    wait_healthy,
+)
 from kvxfer.client.integrations.vllm.tiny_model import prompt
 
 #: Top logprobs compared per generated token.
@@ -71,12 +76,7 @@ class Router:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._process is not None:
-            self._process.terminate()
-            try:
-                self._process.wait(10)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait(10)
+            stop_process(self._process)
 
     def client(self) -> Any:
         return http_client(self.address, 300.0)

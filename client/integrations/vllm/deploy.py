@@ -80,6 +80,17 @@ def http_client(address: str, timeout_s: float) -> httpx.Client:
     return httpx.Client(base_url=address, timeout=timeout_s)
 
 
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM ``process`` if it runs, SIGKILL it after ``timeout_s``, and reap it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout_s)
+
+
 def wait_healthy(address: str, process: subprocess.Popen[bytes], what: str, log: Path,
                  timeout_s: float) -> None:
     """Wait until ``address`` answers ``/health``; raise with the log's tail if ``process``
@@ -271,13 +282,8 @@ class Disaggregation:
         return http_client(self.proxy_address, timeout_s)
 
     def _stop_proxy(self) -> None:
-        if self._proxy is not None and self._proxy.poll() is None:
-            self._proxy.terminate()
-            try:
-                self._proxy.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proxy.kill()
-                self._proxy.wait(10)
+        if self._proxy is not None:
+            stop_process(self._proxy)
 
     def stop(self) -> None:
         """Stop everything that started, the proxy first and the daemons last."""
