@@ -36,8 +36,9 @@ HERE = Path(__file__).resolve().parent
 LENGTHS = [5, 17, 31, 32, 33, 70, 130, 200]
 
 
-def leased_pages_settled(d: Disaggregation, timeout_s: float = 20.0) -> dict[str, dict[str, int]]:
-    """Both daemons' leased pages, once none are (or after ``timeout_s``: what is left)."""
+def leased_pages_settled(d: Disaggregation, timeout_s: float = 45.0) -> dict[str, dict[str, int]]:
+    """Both daemons' leased pages, once none are (or after ``timeout_s``: what is left). An
+    offer whose puller died holds its pages until its deadline (the connector's 30 s)."""
     from kvxfer.client import KvxferClient
 
     assert d.prefill_daemon is not None and d.decode_daemon is not None
