@@ -52,17 +52,22 @@ class DialPolicy:
         if not colon or host.endswith(":") or (":" in host and not host.startswith("[")):
             host, port = address, ""  # a bare host, IPv6 included
         host = host.removeprefix("[").removesuffix("]")
-        try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
-                host, port or None, type=socket.SOCK_STREAM), RESOLVE_S)
-        except (OSError, UnicodeError, TimeoutError) as exc:
-            raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc!r}") from None
-        found = {str(info[4][0]) for info in infos}
+        found = {host} if _is_ip(host) else await self._resolve(address, host, port)
         outside = sorted(a for a in found if not self.allows(a))
         if outside:
             raise DialNotAllowedError(
                 f"peer {address!r} ({', '.join(outside)}) is outside this daemon's dial_allow "
                 f"({', '.join(map(str, self.networks)) or 'nothing'}); nothing was sent to it")
+
+    @staticmethod
+    async def _resolve(address: str, host: str, port: str) -> set[str]:
+        """Every address ``host`` resolves to (off the event loop, within ``RESOLVE_S``)."""
+        try:
+            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+                host, port or None, type=socket.SOCK_STREAM), RESOLVE_S)
+        except (OSError, UnicodeError, TimeoutError) as exc:
+            raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc!r}") from None
+        return {str(info[4][0]) for info in infos}
 
     def allows(self, ip: str) -> bool:
         """Whether the address ``ip`` lies in an allowed network."""
@@ -70,3 +75,12 @@ class DialPolicy:
         if isinstance(parsed, ipaddress.IPv6Address) and parsed.ipv4_mapped is not None:
             parsed = parsed.ipv4_mapped
         return any(parsed.version == n.version and parsed in n for n in self.networks)
+
+
+def _is_ip(host: str) -> bool:
+    """Whether ``host`` is an address literal (checked as is: no lookup on the transfer path)."""
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    return True

@@ -31,6 +31,7 @@ from kvxfer.errors import (
     TransferNotFoundError,
 )
 from kvxfer.pages import PageRuns
+from kvxfer.server.dial_policy import DialPolicy
 from kvxfer.server.peer_protocol import PeerAbort, hello_from_request
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.coordinator import LeaseUse
@@ -212,3 +213,22 @@ def test_a_verb_through_a_mapping_of_an_earlier_daemon_is_refused(tmp_path: Path
             current = sender.transfers.offer("current", "kv", SRC, 10, False, LeaseUse(arena_epoch=epoch))
             assert current.state == TransferState.WAITING
     run(body)
+
+
+@pytest.mark.parametrize(("address", "allowed"), [
+    ("127.0.0.1:7500", True), ("localhost:7500", True), ("[::1]:7500", True),
+    ("[::ffff:127.0.0.1]:7500", True), ("::1", True), ("127.0.0.2:7500", False),
+    ("10.1.2.3:7500", False), ("[fe80::1%lo]:7500", False)])
+def test_the_dial_policy_reads_every_address_form(address: str, allowed: bool) -> None:
+    """Literals are checked as they are (no lookup), names by what they resolve to; IPv6,
+    IPv4-mapped IPv6 and bare hosts included. Only 127.0.0.1 and ::1 are allowed here."""
+    policy = DialPolicy(["127.0.0.1/32", "::1/128"])
+
+    async def check() -> None:
+        await policy.check(address)
+
+    if allowed:
+        run(check)
+    else:
+        with pytest.raises(DialNotAllowedError, match="outside this daemon's dial_allow"):
+            run(check)

@@ -70,7 +70,7 @@ class Receiver:
         """``caller`` asks where ``claim.transfer_id`` goes, in one of its sessions; post the
         receives and answer. A transfer that names another peer identity is refused."""
         session = self._sessions.inbound(claim.session_id, caller)
-        t = await self._registry.rendezvous(claim.transfer_id, TransferRole.RECEIVER, wait_s, "expect")
+        t = await self._registry.rendezvous(claim.transfer_id, wait_s)
         if t.capability and not presents(claim.capability, t.capability):
             raise not_open_to_caller(claim.transfer_id)  # a pull: its sender knows the capability
         if t.peer_identity and not caller.is_named(t.peer_identity):

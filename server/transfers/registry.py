@@ -1,9 +1,10 @@
 """Every transfer this daemon knows: registration, the rendezvous per id, retention, endings.
 
 ``register`` validates a worker's request and records the transfer;
-``rendezvous`` waits for the registration a peer's call needs (a Claim waits
-for the Expect, a RequestPush for the Offer), with one waiter per id and role,
-so a registration wakes only the calls that wait for it. ``finish`` is the one
+``rendezvous`` waits for the receiving registration a peer's Claim needs (the
+Expect of a push; a pull is registered before its RequestPush leaves), with
+one waiter list per id, so a registration wakes only the claims that wait for
+it (a RequestPush waits for nothing: an offer not yet here is NOT_FOUND). ``finish`` is the one
 place a transfer ends: it releases what the transfer holds (its deadline
 timer, its task, its UCX requests, its lease if it was to end with it), counts
 it and logs it for ``completions``. Finished transfers are kept for ``retain``
@@ -64,8 +65,7 @@ class TransferRegistry:
         self._limits = limits
         self._unfinished: set[Transfer] = set()
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
-        self._waiters: defaultdict[tuple[str, TransferRole], list[asyncio.Future[Transfer]]] = (
-            defaultdict(list))
+        self._waiters: defaultdict[str, list[asyncio.Future[Transfer]]] = defaultdict(list)
         self.accepting = True
 
     def get(self, transfer_id: str) -> Transfer:
@@ -133,7 +133,7 @@ class TransferRegistry:
         self._metrics.registered(t)
         self.tracing.begin(t)
         self._prune()
-        for waiter in self._waiters.pop((transfer_id, role), []):
+        for waiter in self._waiters.pop(transfer_id, []) if role == TransferRole.RECEIVER else ():
             if not waiter.done():
                 waiter.set_result(t)
         return t
@@ -154,34 +154,32 @@ class TransferRegistry:
         for key in stale:
             del self._transfers[key]
 
-    async def rendezvous(self, transfer_id: str, role: TransferRole, timeout_s: float,
-                         what: str) -> Transfer:
-        """The ``role`` side of ``transfer_id``, once registered here (within ``timeout_s``).
+    async def rendezvous(self, transfer_id: str, timeout_s: float) -> Transfer:
+        """The receiving side of ``transfer_id``, once registered here (within ``timeout_s``).
 
         A final transfer that already had its partner is history, not a match: its id
         is being reused and the new registration is still to come.
         """
         check_id("transfer_id", transfer_id)
         t = self._transfers.get(transfer_id)
-        partnered = t is not None and bool(t.session_id if role == TransferRole.RECEIVER else t.peer)
-        if t is not None and t.role == role and not (t.state.final and partnered):
+        if (t is not None and t.role == TransferRole.RECEIVER
+                and not (t.state.final and t.session_id)):
             return t
         check_below("max_pending_claims", sum(map(len, self._waiters.values())),
-                    self._limits.pending_claims, f"peer calls waiting for an {what} here")
+                    self._limits.pending_claims, "peer claims waiting for an expect here")
         waiter: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
-        key = (transfer_id, role)
-        self._waiters[key].append(waiter)
+        self._waiters[transfer_id].append(waiter)
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError:
             raise TransferDeadlineError(
-                f"no {what} for transfer {transfer_id!r} arrived within {timeout_s:g}s") from None
+                f"no expect for transfer {transfer_id!r} arrived within {timeout_s:g}s") from None
         finally:
-            waiters = self._waiters.get(key)
+            waiters = self._waiters.get(transfer_id)
             if waiters is not None and waiter in waiters:
                 waiters.remove(waiter)
                 if not waiters:
-                    del self._waiters[key]
+                    del self._waiters[transfer_id]
 
     def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
         """End ``t`` (once) and release what it holds; the final state follows ``error``.

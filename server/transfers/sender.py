@@ -73,8 +73,8 @@ class Sender:
                 f"transfer {t.id!r} holds KV computed from another prompt than the puller's "
                 f"(prompt digests {t.prompt_digest.hex()[:12] or 'none'} here, "
                 f"{request.prompt_digest.hex()[:12] or 'none'} asked)")
-            self._registry.finish(t, mismatch)
-            raise PromptMismatchError(str(mismatch))
+            self._registry.finish(t, mismatch)  # it keeps a copy without the traceback
+            raise mismatch
         t.peer = request.reply_to
         self._registry.tracing.join(t)
         self.start(t)

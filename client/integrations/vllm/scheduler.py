@@ -18,9 +18,9 @@ the engine's own prompt length, never a number from params. Params that are
 malformed, of another version or of another block layout are refused before
 any block is allocated: the request is computed here like an ordinary prompt,
 and ``refusals`` counts it by reason (the log names each). A load that fails
-later is reported failed (``kv_load_failure_policy`` decides: recompute or fail). A
-request that ends while its load is pending is cancelled in the next plan; its
-blocks are reported finished so vLLM frees them.
+later is reported failed (``kv_load_failure_policy`` decides: recompute or
+fail). A request that ends while its load is pending is cancelled in the next
+plan; its load is reported finished so vLLM frees its blocks.
 
 Every entry point vLLM calls is wrapped by the connector (``connector.py``): no
 exception from here reaches vLLM's scheduler loop.
@@ -75,7 +75,8 @@ class SchedulerSide:
         self._new_loads: list[Load] = []
         self._loading: set[str] = set()
         self._cancels: list[str] = []
-        self._remote: dict[str, RemotePrefill] = {}  # req id -> the load it was promised
+        #: req id -> the load it was promised, and the digest of its prompt
+        self._remote: dict[str, tuple[RemotePrefill, bytes]] = {}
         #: Requests whose params were not followed, by reason (see ``protocol.Refusal``).
         self.refusals: Counter[str] = Counter()
 
@@ -93,7 +94,8 @@ class SchedulerSide:
             return 0, False
         if remote is None:
             return 0, False
-        if prompt_digest(request) is None:
+        digest = prompt_digest(request)
+        if digest is None:
             self._refuse(request, Refusal("unsupported", "a prompt given as embeddings: its KV "
                                                          "cannot be bound to it"))
             return 0, False
@@ -101,7 +103,7 @@ class SchedulerSide:
         if count <= 0:
             return 0, False
         self._local_computed[request.request_id] = num_computed_tokens
-        self._remote[request.request_id] = remote
+        self._remote[request.request_id] = (remote, digest)
         return count, True
 
     def forget(self, request: Any) -> tuple[int, bool]:
@@ -112,8 +114,8 @@ class SchedulerSide:
 
     def fail_load(self, request: Any, block_ids: list[int], num_external_tokens: int,
                   why: str) -> None:
-        """Plan a load of ``request`` that fails at once (after a failure): vLLM gets its
-        blocks back as invalid and computes them, instead of waiting for them forever."""
+        """Plan a load of ``request`` that fails at once (after a failure): vLLM is told it
+        failed and computes the prompt, instead of waiting for it forever."""
         self.forget(request)
         if num_external_tokens > 0:
             self._new_loads.append(Load(request.request_id, "", "", 0, 0, tuple(block_ids), why))
@@ -140,9 +142,10 @@ class SchedulerSide:
         if self._producer and wants_remote_decode(params):
             self._to_save[request.request_id] = request
             return
-        remote = self._remote.pop(request.request_id, None)
-        if remote is None:
+        promised = self._remote.pop(request.request_id, None)
+        if promised is None:
             return
+        remote, digest = promised
         params["do_remote_prefill"] = False  # one transfer per request, however often we are called
         local = self._local_computed.pop(request.request_id, 0)
         if num_external_tokens <= 0:
@@ -152,8 +155,7 @@ class SchedulerSide:
         first = local // block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
                                     num_pages, first, tuple(block_ids[first:num_pages]),
-                                    capabilities=remote.capabilities,
-                                    prompt_digest=prompt_digest(request) or b""))
+                                    capabilities=remote.capabilities, prompt_digest=digest))
         self._loading.add(request.request_id)
 
     def finished_loading(self, req_ids: set[str]) -> None:

@@ -13,8 +13,8 @@ starts a pull per planned load and returns; ``get_finished`` asks the daemon
 once per step which transfers ended (batched completion), copies finished ones
 into the request's blocks (copy-in) and reports them; failed ones are reported
 failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
-recomputes or fails them, never serves them. A load dropped because its request ended is reported finished too, so
-vLLM frees the blocks it held for it.
+recomputes or fails them, never serves them. A load dropped because its request
+ended is reported finished too, so vLLM frees the blocks it held for it.
 
 Memory identity: the worker maps the daemon's pool once, and remembers the
 mapping's memory epoch. A daemon that restarted has another epoch (on its
@@ -360,9 +360,6 @@ class WorkerSide:
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
         transfer_s = time.perf_counter() - pending.started
-        if pending.epoch != self._epoch:
-            self._fail(load, "the pool was re-attached while it loaded (the daemon restarted)")
-            return
         if not info.ok:
             self._release(pending.lease.lease_id)
             self._fail(load, f"transfer {info.state.name}: {info.error}")
