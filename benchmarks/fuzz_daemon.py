@@ -280,8 +280,10 @@ class Alongside(threading.Thread):
             tid, src_runs = f"along-{n}", ALONGSIDE_SRC[n % 2]
             n += 1
             try:
-                self._d.expect(tid, "kv", ALONGSIDE_DST, timeout_s=30, peer_identity="prefill")
-                self._p.push(tid, "kv", src_runs, peer=self._peer, timeout_s=30, verify=True)
+                expected = self._d.expect(tid, "kv", ALONGSIDE_DST, timeout_s=30,
+                                          peer_identity="prefill")
+                self._p.push(tid, "kv", src_runs, peer=self._peer, timeout_s=30, verify=True,
+                             capability=expected.capability)
                 sent, got = self._p.wait(tid, timeout_s=35), self._d.wait(tid, timeout_s=35)
             except Exception as exc:  # noqa: BLE001 - reported, not raised, from this thread
                 self.failures.append(f"{tid}: {type(exc).__name__}: {exc}")

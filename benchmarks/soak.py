@@ -170,9 +170,9 @@ class Worker(threading.Thread):
             d.pull(tid, p_node.daemon.peer_address, "kv", dst_runs, timeout_s=TIMEOUT_S,
                    capability=offered.capability)
         else:
-            d.expect(tid, "kv", dst_runs, timeout_s=TIMEOUT_S)
+            expected = d.expect(tid, "kv", dst_runs, timeout_s=TIMEOUT_S)
             p.push(tid, "kv", src_runs, peer=d_node.daemon.peer_address, timeout_s=TIMEOUT_S,
-                   verify=True)
+                   verify=True, capability=expected.capability)
         if case == "receiver-aborts":
             d.abort(tid, "soak")
         elif case == "sender-aborts":

@@ -2,11 +2,10 @@
 
 What a disaggregated deployment does per request: in push mode the decode side
 expects the pages and the prefill side pushes them; in pull mode the prefill side
-offers them (its answer holds the capability the pull must present) and the decode
-side pulls. Both verbs are sent at once with ``wait`` (pull mode: the pull and a wait),
-so each answers when its side is final: one round trip per side, overlapping,
-instead of a verb and a ``wait`` each in turn (in push mode the daemons pair the
-two sides whichever arrives first). If either side fails, the other is aborted at once (as an
+offers them and the decode side pulls. The receiving (push) or offering (pull) side is
+registered first: its answer holds the capability the other side's verb presents. That
+verb is then sent with ``wait``, alongside a ``wait`` on the first side, so each answers
+when its side is final. If either side fails, the other is aborted at once (as an
 engine would) instead of running into its deadline. The demo, ``kvxfer bench`` and
 the benchmarks all move pages through ``hand_off``.
 """
@@ -67,10 +66,11 @@ def hand_off(prefill: KvxferClient, decode: KvxferClient, transfer_id: str, *, p
     """
     sent: Future[TransferInfo]
     received: Future[TransferInfo]
-    if mode == "push":
-        received = _SIDES.submit(decode.expect, transfer_id, pool, dst, timeout_s, wait=True)
+    if mode == "push":  # the expect first: its answer holds the capability the push presents
+        expected = decode.expect(transfer_id, pool, dst, timeout_s)
+        received = _SIDES.submit(decode.wait, transfer_id, timeout_s or DEFAULT_DEADLINE_S)
         sent = _SIDES.submit(prefill.push, transfer_id, pool, src, decode_peer, timeout_s,
-                             verify, wait=True)
+                             verify, capability=expected.capability, wait=True)
         driver = sent
     else:  # the offer first: its answer holds the capability the pull presents
         offered = prefill.offer(transfer_id, pool, src, timeout_s, verify)

@@ -186,7 +186,10 @@ class KvxferClient:
         """Register destination pages for ``transfer_id`` (decode side). With ``lease_id``
         the pages must be the lease's, and ``release_lease`` ends the lease with the transfer;
         with ``peer_identity`` only the peer with that certificate name may fill them. With
-        ``wait`` the answer comes when the transfer is final (see ``_verb``)."""
+        ``wait`` the answer comes when the transfer is final (see ``_verb``).
+
+        The answer's ``capability`` is what the push must present: hand it to the prefill
+        side as a secret. A push without it is refused, and cannot fill these pages."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
                                lease=_lease(lease_id, release_lease, arena_epoch),
@@ -196,13 +199,15 @@ class KvxferClient:
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
              timeout_s: float = 0.0, verify: bool = False, *, lease_id: str = "",
-             release_lease: bool = False, arena_epoch: str = "",
+             release_lease: bool = False, arena_epoch: str = "", capability: str = "",
              wait: bool = False) -> TransferInfo:
-        """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side); with ``wait``,
-        answer when the transfer is final."""
+        """Send ``src_runs`` to the decode daemon at ``peer`` (prefill side), presenting the
+        ``capability`` its expect's answer told (a wrong one, or no such expect, fails the
+        transfer with NOT_FOUND); with ``wait``, answer when the transfer is final."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                              peer=peer, timeout_s=timeout_s, verify=verify,
-                             lease=_lease(lease_id, release_lease, arena_epoch), wait=wait)
+                             lease=_lease(lease_id, release_lease, arena_epoch),
+                             capability=capability, wait=wait)
         return self._verb(self._stub.Push, req, timeout_s, wait)
 
     def offer(self, transfer_id: str, pool: str, src_runs: PageRuns, timeout_s: float = 0.0,

@@ -6,9 +6,10 @@ The orchestrator starts a prefill and a decode daemon on loopback, then two
 worker *processes*:
 
 - the prefill worker attaches to its daemon's pools, allocates pages (and a
-  Mamba slot) per prompt, runs prefill writing KV in place, prints each
-  request's first token, and pushes the pages under the request's id;
-- the decode worker attaches to its own daemon, expects each transfer into
+  Mamba slot) per prompt, runs prefill writing KV in place, offers the pages
+  under the request's id, and prints each request's first token with the
+  offers' capabilities (the secrets the pulls present);
+- the decode worker attaches to its own daemon, pulls each transfer into
   pages it chose (scattered, different from the prefill side), waits, and
   greedily generates the remaining tokens reading the transferred cache.
 
@@ -96,7 +97,8 @@ def _worker(args: argparse.Namespace) -> Iterator[Worker]:
 
 
 def prefill_worker(args: argparse.Namespace) -> None:
-    """Prefill every request, print its first token, push its cache, wait for the pushes."""
+    """Prefill every request, offer its cache, print its first token and the offers'
+    capabilities, then wait for the pulls."""
     from kvxfer.pages import PageRuns
 
     with _worker(args) as w:
@@ -107,21 +109,23 @@ def prefill_worker(args: argparse.Namespace) -> None:
             cache = _views(kv, ssm, table, slot, cfg)
             _clear(cache)
             logits = model.prefill(req["prompt"], cache)
-            print(json.dumps({"id": req["id"], "first_token": int(logits.argmax()),
-                              "logits": logits.tolist()}), flush=True)
-            kv_client.push(f"{req['id']}/kv", "kv", PageRuns.from_pages(table), peer=args.peer,
-                           timeout_s=60, verify=args.verify)
-            ids.append(f"{req['id']}/kv")
+            parts = {"kv": PageRuns.from_pages(table)}
             if ssm is not None:
-                kv_client.push(f"{req['id']}/ssm", "ssm", PageRuns.of([(slot, 1)]), peer=args.peer,
-                               timeout_s=60, verify=args.verify)
-                ids.append(f"{req['id']}/ssm")
+                parts["ssm"] = PageRuns.of([(slot, 1)])
+            capabilities = {}
+            for pool, runs in parts.items():
+                offered = kv_client.offer(f"{req['id']}/{pool}", pool, runs, timeout_s=60,
+                                          verify=args.verify)
+                capabilities[pool] = offered.capability
+                ids.append(f"{req['id']}/{pool}")
+            print(json.dumps({"id": req["id"], "first_token": int(logits.argmax()),
+                              "logits": logits.tolist(), "capabilities": capabilities}), flush=True)
         states = {i: kv_client.wait(i, timeout_s=60).state.name for i in ids}
-        print(json.dumps({"pushed": states}), flush=True)
+        print(json.dumps({"offered": states}), flush=True)
 
 
 def decode_worker(args: argparse.Namespace) -> None:
-    """Expect every request's cache in our own pages, wait, then generate greedily."""
+    """Pull every request's cache into our own pages, wait, then generate greedily."""
     from kvxfer.pages import PageRuns
 
     with _worker(args) as w:
@@ -131,9 +135,12 @@ def decode_worker(args: argparse.Namespace) -> None:
         slots = list(range(cfg.num_slots - 1, cfg.num_slots - 1 - len(requests), -1))
         for req, table, slot in zip(requests, tables, slots):
             prompt_pages = table[: model.pages_needed(len(req["prompt"]))]
-            kv_client.expect(f"{req['id']}/kv", "kv", PageRuns.from_pages(prompt_pages), timeout_s=60)
+            parts = {"kv": PageRuns.from_pages(prompt_pages)}
             if ssm is not None:
-                kv_client.expect(f"{req['id']}/ssm", "ssm", PageRuns.of([(slot, 1)]), timeout_s=60)
+                parts["ssm"] = PageRuns.of([(slot, 1)])
+            for pool, runs in parts.items():
+                kv_client.pull(f"{req['id']}/{pool}", args.peer, pool, runs, timeout_s=60,
+                               capability=req["capabilities"][pool])
         results = {}
         for req, table, slot in zip(requests, tables, slots):
             for part in ("kv", "ssm") if ssm is not None else ("kv",):
@@ -219,21 +226,22 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
     me = [sys.executable, "-m", "kvxfer.examples.disagg"]
     prefill = subprocess.Popen(
         [*me, "prefill-worker", "--flavour", flavour, "--address", pre.worker_address,
-         "--peer", dec.peer_address, "--requests", json.dumps(requests),
+         "--requests", json.dumps(requests),
          *(["--verify"] if verify else [])],
         stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert prefill.stdout is not None
         firsts = [json.loads(prefill.stdout.readline()) for _ in requests]
         for req, first in zip(requests, firsts):
-            req.update(first_token=first["first_token"], new_tokens=new_tokens)
+            req.update(first_token=first["first_token"], new_tokens=new_tokens,
+                       capabilities=first["capabilities"])
         decode = subprocess.run(
             [*me, "decode-worker", "--flavour", flavour, "--address", dec.worker_address,
-             "--requests", json.dumps(requests), "--corrupt", corrupt],
+             "--peer", pre.peer_address, "--requests", json.dumps(requests), "--corrupt", corrupt],
             capture_output=True, text=True, env=env, timeout=120)
         if decode.returncode != 0:
             raise RuntimeError(f"decode worker failed:\n{decode.stderr[-3000:]}")
-        pushed = json.loads(prefill.stdout.readline())
+        offered = json.loads(prefill.stdout.readline())
         prefill.wait(60)
     finally:
         if prefill.poll() is None:
@@ -242,7 +250,7 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
     results: dict[str, Any] = json.loads(decode.stdout)
     for req, first in zip(requests, firsts):
         results[req["id"]]["prefill_logits"] = first["logits"]
-    results["_pushed"] = pushed["pushed"]
+    results["_offered"] = offered["offered"]
     return results
 
 
@@ -293,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--flavour", required=True, choices=["mha", "mla", "hybrid"])
         p.add_argument("--address", required=True, help="this worker's daemon (worker address)")
         p.add_argument("--requests", required=True, help="JSON list of requests")
-        p.add_argument("--peer", help="decode daemon's peer address (prefill worker)")
-        p.add_argument("--verify", action="store_true", help="checksums on the pushes")
+        p.add_argument("--peer", help="prefill daemon's peer address (decode worker)")
+        p.add_argument("--verify", action="store_true", help="checksums on the offers")
         p.add_argument("--corrupt", default="", help="request id whose first page to overwrite")
     parser.add_argument("--flavour", default="all", choices=["mha", "mla", "hybrid", "all"])
     args = parser.parse_args(argv)

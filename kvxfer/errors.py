@@ -114,7 +114,7 @@ class DialNotAllowedError(PeerNotAllowedError, code="PERMISSION_DENIED", reason=
 
 
 class LimitExceededError(KvxferError, code="RESOURCE_EXHAUSTED", reason="LIMIT_EXCEEDED"):
-    """A request would pass one of the daemon's bounds (sessions per peer, pending claims,
+    """A request would pass one of the daemon's bounds (sessions per peer,
     transfers in flight); the message names the limit."""
 
 

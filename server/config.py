@@ -181,8 +181,9 @@ class DaemonConfig(BaseSettings):
     peer_tls_ca: str = _setting(
         "", "PEM CA certificates; a peer's certificate must be signed by one of them")
     peer_allow: list[str] = _setting(
-        [], "with TLS, the only peer identities (certificate common or DNS names) admitted; "
-            "repeatable (empty: any certificate the CA signed)")
+        [], "with TLS, the only peer identities (certificate common or DNS names) admitted, "
+            "and the only ones a dialled peer's certificate may name; repeatable (empty: any "
+            "certificate the CA signed)")
     dial_allow: list[str] = _setting(
         list(LOOPBACK), "the only networks (CIDRs or addresses) this daemon dials as peers; a "
         "pull names its peer, so the address is client input; repeatable (default: loopback "
@@ -230,8 +231,6 @@ class DaemonConfig(BaseSettings):
     max_sessions_per_peer: int = _setting(
         8, "sessions one peer identity may hold open to this daemon (a peer needs one; a "
            "restarted peer briefly two)", ABOVE_ZERO, gt=0)
-    max_pending_claims: int = _setting(
-        1024, "peer claims that may wait at once for a worker's expect", ABOVE_ZERO, gt=0)
     max_active_transfers: int = _setting(
         16384, "transfers registered here and not yet ended", ABOVE_ZERO, gt=0)
     max_message_bytes: int = _setting(
@@ -288,7 +287,7 @@ class DaemonConfig(BaseSettings):
     @property
     def limits(self) -> Limits:
         """The per-daemon bounds against exhaustion."""
-        return Limits(self.max_sessions_per_peer, self.max_pending_claims,
+        return Limits(self.max_sessions_per_peer,
                       self.max_active_transfers, self.max_message_bytes)
 
     @property

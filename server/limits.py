@@ -34,7 +34,6 @@ class Limits:
     """The per-daemon bounds (``kvxfer serve --max-...``)."""
 
     sessions_per_peer: int = 8
-    pending_claims: int = 1024
     active_transfers: int = 16384
     message_bytes: int = 4 << 20
 

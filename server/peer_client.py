@@ -71,6 +71,8 @@ CHANNEL_OPTIONS = [
 ]
 #: The least time a call is given, so that a call made at its deadline still says why it failed.
 MIN_CALL_S = 0.1
+#: How long the TLS handshake that reads a dialled peer's certificate names may take.
+IDENTITY_CHECK_S = 5.0
 
 
 def time_left(deadline: float, slack_s: float = 0.0) -> float:
@@ -135,8 +137,9 @@ class PeerClient:
     async def claim(self, claim: Claim, deadline: float) -> ClaimGrant:
         """Ask where a transfer's pages go; the peer answers once it posted its receives.
 
-        The call may take until the transfer's deadline (the peer waits for the
-        matching expect), plus a moment so that the peer's own deadline error arrives.
+        The call may take until the transfer's deadline (a peer on the same host copies
+        the pages before it answers), plus a moment so that the peer's own deadline error
+        arrives.
         """
         reply = await self._call("Claim", claim_to_proto(claim), time_left(deadline, 0.5))
         return grant_from_proto(reply)
@@ -160,20 +163,24 @@ class PeerClients:
     """One cached channel (and client) per peer address."""
 
     def __init__(self, metrics: DaemonMetrics, tls: PeerTls | None = None,
-                 policy: DialPolicy | None = None) -> None:
+                 policy: DialPolicy | None = None, peer_allow: frozenset[str] = frozenset()) -> None:
         self._metrics = metrics
         self._tls = tls
         self._policy = policy or DialPolicy(LOOPBACK)
+        self._peer_allow = peer_allow
         self._clients: dict[str, PeerClient] = {}
         self._channels: list[grpc.aio.Channel] = []
 
     async def get(self, address: str) -> PeerClient:
         """The client of the peer at ``address`` (host:port), over mutual TLS if configured;
         DialNotAllowedError (counted) if the dial policy refuses the address (checked at
-        every call: a name may resolve elsewhere by now)."""
+        every call: a name may resolve elsewhere by now) or, with ``peer_allow``, if the
+        certificate the peer presents names no allowed identity (checked before the first
+        call to it)."""
         await self.check(address)
         client = self._clients.get(address)
         if client is None:
+            await self._check_identity(address)
             target = f"dns:///{address}"  # never another scheme (unix:, ...) from a peer address
             if self._tls is None:
                 channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
@@ -191,6 +198,19 @@ class PeerClients:
         except DialNotAllowedError:
             self._metrics.dials_refused.inc()
             raise
+
+    async def _check_identity(self, address: str) -> None:
+        """With mutual TLS and ``peer_allow``: DialNotAllowedError (counted) unless the peer's
+        certificate names an allowed identity."""
+        if self._tls is None or not self._peer_allow:
+            return
+        names = await self._tls.names_presented(address, IDENTITY_CHECK_S)
+        if not names & self._peer_allow:
+            self._metrics.dials_refused.inc()
+            raise DialNotAllowedError(
+                f"peer {address!r} presents a certificate for {sorted(names)}, none of them in "
+                f"this daemon's peer_allow ({', '.join(sorted(self._peer_allow))}); nothing "
+                f"was sent to it")
 
     async def close(self) -> None:
         """Close every channel."""

@@ -17,7 +17,7 @@ from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import InvalidRangeError, ProtocolVersionError
 from kvxfer.local_copy import ArenaFile
 from kvxfer.pages import PageRuns
-from kvxfer.server.limits import MIN_CHUNK_BYTES, check_digest, check_id, check_seconds, check_text
+from kvxfer.server.limits import MIN_CHUNK_BYTES, check_digest, check_id, check_text
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_from_proto, runs_to_proto
 
@@ -60,7 +60,6 @@ class Claim:
     session_id: str
     src_pool: str
     src_runs: PageRuns
-    timeout_s: float
     verify: bool
     chunk_bytes: int
     lanes: int
@@ -164,19 +163,19 @@ def claim_to_proto(claim: Claim) -> pb.ClaimRequest:
     """A claim as its request message."""
     return pb.ClaimRequest(
         transfer_id=claim.transfer_id, session_id=claim.session_id, src_pool=claim.src_pool,
-        src_runs=runs_to_proto(claim.src_runs), timeout_s=claim.timeout_s, verify=claim.verify,
+        src_runs=runs_to_proto(claim.src_runs), verify=claim.verify,
         chunk_bytes=claim.chunk_bytes, lanes=claim.lanes, capability=claim.capability,
     )
 
 
 def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
-    """Decode a claim (its ids, runs, deadline and message size are validated)."""
+    """Decode a claim (its ids, runs and message size are validated)."""
     if msg.chunk_bytes and msg.chunk_bytes < MIN_CHUNK_BYTES:
         raise InvalidRangeError(f"chunk_bytes={msg.chunk_bytes}; expected 0 (the receiver's) "
                                 f"or at least {MIN_CHUNK_BYTES}")
     return Claim(check_id("transfer_id", msg.transfer_id), check_id("session_id", msg.session_id),
                  msg.src_pool, runs_from_proto(msg.src_runs),
-                 check_seconds("timeout_s", msg.timeout_s), msg.verify, msg.chunk_bytes, msg.lanes,
+                 msg.verify, msg.chunk_bytes, msg.lanes,
                  check_text("capability", msg.capability))
 
 

@@ -7,7 +7,9 @@ TLS handshake, before any service answers), and the daemon presents its own
 certificate when it dials peers, checking theirs against the same CA. A peer's
 identity is its certificate's common name; with ``peer_allow`` set, a peer
 whose common name and DNS names are all outside it gets PERMISSION_DENIED on
-every call of every service on the peer port (``interceptors.PeerAuthorization``).
+every call of every service on the peer port (``interceptors.PeerAuthorization``),
+and a peer this daemon dials must present such a name too (``names_presented``,
+checked before the first call to it).
 
 Without TLS the peer API is plaintext, which ``check_peer_binding`` allows on
 loopback only, unless the operator says ``insecure_peer``.
@@ -15,7 +17,9 @@ loopback only, unless the operator says ``insecure_peer``.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +28,7 @@ import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
-from kvxfer.errors import InvalidSpecError
+from kvxfer.errors import InvalidSpecError, PeerUnavailableError
 
 Context = grpc.aio.ServicerContext[Any, Any]
 _SPKI = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -44,6 +48,8 @@ class PeerTls:
     cert: bytes
     key: bytes
     ca: bytes
+    cert_path: str
+    key_path: str
 
     @classmethod
     def load(cls, cert: str, key: str, ca: str) -> PeerTls | None:
@@ -56,7 +62,8 @@ class PeerTls:
         if missing:
             raise InvalidSpecError(f"mutual TLS needs peer_tls_cert, peer_tls_key and "
                                    f"peer_tls_ca; missing {missing}")
-        tls = cls(_read("peer_tls_cert", cert), _read("peer_tls_key", key), _read("peer_tls_ca", ca))
+        tls = cls(_read("peer_tls_cert", cert), _read("peer_tls_key", key), _read("peer_tls_ca", ca),
+                  cert, key)
         tls._check(cert, key, ca)
         return tls
 
@@ -89,6 +96,29 @@ class PeerTls:
         """Dial with our certificate; accept a server whose certificate the CA signed."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    async def names_presented(self, address: str, timeout_s: float) -> set[str]:
+        """The names (common name, DNS names) on the certificate the peer at ``address``
+        (host:port) presents, in a TLS handshake that checks it as the gRPC channel does:
+        signed by the CA, naming the host. PeerUnavailableError if that fails or takes
+        longer than ``timeout_s``. Nothing but the handshake is sent."""
+        host, _, port = address.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        context = ssl.create_default_context(cadata=self.ca.decode())
+        context.load_cert_chain(self.cert_path, self.key_path)
+        context.set_alpn_protocols(["h2"])
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(
+                host, int(port), ssl=context, server_hostname=host), timeout_s)
+        except (OSError, ValueError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            raise PeerUnavailableError(f"peer {address!r}: the TLS handshake that checks its "
+                                       f"certificate failed: {exc!r}") from None
+        certificate = writer.get_extra_info("peercert") or {}
+        writer.transport.abort()  # no TLS close_notify exchange: a gRPC server may never answer one
+        names = {value for rdn in certificate.get("subject", ()) for key, value in rdn
+                 if key == "commonName"}
+        return names | {value for kind, value in certificate.get("subjectAltName", ())
+                        if kind == "DNS"}
 
 
 def is_loopback(host: str) -> bool:

@@ -1,11 +1,13 @@
 """An engine's part in the container test, run inside the kvxfer image as a worker
 container that shares a sidecar's socket and pool volumes (as in a pod).
 
-    python container_worker.py send TRANSFER_ID PEER      # prefill: write pages, push them
-    python container_worker.py receive TRANSFER_ID        # decode: expect, wait, check
+    python container_worker.py receive TRANSFER_ID                # decode: expect, wait, check
+    python container_worker.py send TRANSFER_ID PEER CAPABILITY   # prefill: write pages, push
 
-Prints one JSON line; exits 0 only if the transfer ended DONE (and, receiving, every
-destination page holds the seeded bytes and every other page is untouched).
+The receiver first prints ``{"capability": ...}`` (its expect's, which the push must
+present) and the test hands it to the sender. Each prints one JSON line at the end and
+exits 0 only if the transfer ended DONE (and, receiving, every destination page holds
+the seeded bytes and every other page is untouched).
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ def pattern(page_bytes: int, pages: int) -> torch.Tensor:
     return torch.randint(0, 256, (pages * page_bytes,), dtype=torch.uint8, generator=generator)
 
 
-def send(transfer_id: str, peer: str) -> bool:
+def send(transfer_id: str, peer: str, capability: str) -> bool:
     with KvxferClient(SOCKET) as kv, kv.attach("kv") as pool:
         size = pool.descriptor.page_bytes
         data = pattern(size, SRC.num_pages)
         for i, page in enumerate(SRC.pages()):
             pool.page_bytes_view(page).copy_(data[i * size:(i + 1) * size])
-        kv.push(transfer_id, "kv", SRC, peer=peer, timeout_s=60, verify=True)
+        kv.push(transfer_id, "kv", SRC, peer=peer, timeout_s=60, verify=True, capability=capability)
         info = kv.wait(transfer_id, 60)
     print(json.dumps({"state": info.state.name, "error": info.error, "bytes": info.bytes}))
     return info.ok
@@ -45,7 +47,8 @@ def send(transfer_id: str, peer: str) -> bool:
 def receive(transfer_id: str) -> bool:
     with KvxferClient(SOCKET) as kv, kv.attach("kv") as pool:
         before = pool.raw.clone()
-        kv.expect(transfer_id, "kv", DST, timeout_s=60)
+        expected = kv.expect(transfer_id, "kv", DST, timeout_s=60)
+        print(json.dumps({"capability": expected.capability}), flush=True)
         info = kv.wait(transfer_id, 60)
         size = pool.descriptor.page_bytes
         expected = before.clone()
@@ -61,5 +64,5 @@ def receive(transfer_id: str) -> bool:
 
 if __name__ == "__main__":
     role, transfer_id, *rest = sys.argv[1:]
-    ok = send(transfer_id, rest[0]) if role == "send" else receive(transfer_id)
+    ok = send(transfer_id, *rest) if role == "send" else receive(transfer_id)
     sys.exit(0 if ok else 1)

@@ -54,14 +54,17 @@ class PeerAs:
         self._watches.append(self.stub.Watch(beats(session_id, self._closed)))
         return session_id
 
-    def claim_request(self, transfer_id: str, session_id: str,
-                      runs: PageRuns = ONE_PAGE) -> pb.ClaimRequest:
+    def claim_request(self, transfer_id: str, session_id: str, runs: PageRuns = ONE_PAGE,
+                      capability: str = "") -> pb.ClaimRequest:
         return pb.ClaimRequest(
             transfer_id=transfer_id, session_id=session_id, src_pool=self._pool.name,
-            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()], timeout_s=5)
+            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()],
+            capability=capability)
 
-    def claim(self, transfer_id: str, session_id: str, runs: PageRuns) -> pb.ClaimResponse:
-        return self.stub.Claim(self.claim_request(transfer_id, session_id, runs), timeout=10)
+    def claim(self, transfer_id: str, session_id: str, runs: PageRuns,
+              capability: str = "") -> pb.ClaimResponse:
+        return self.stub.Claim(self.claim_request(transfer_id, session_id, runs, capability),
+                               timeout=10)
 
     def abort(self, transfer_id: str, session_id: str, capability: str = "") -> None:
         self.stub.AbortTransfer(pb.AbortTransferRequest(

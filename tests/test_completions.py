@@ -25,8 +25,9 @@ def test_completions_return_what_ended_since_the_cursor_in_order(tmp_path: Path)
             ended, cursor, missed = await verbs.completions(0, 0)
             assert (ended, cursor, missed) == ([], 0, False)
             for i in range(3):
-                verbs.expect(f"r{i}", "kv", PageRuns.of([(i, 1)]), 10)
-                sender.transfers.push(f"r{i}", "kv", RUNS, receiver.peer_address, 10, False)
+                expected = verbs.expect(f"r{i}", "kv", PageRuns.of([(i, 1)]), 10)
+                sender.transfers.push(f"r{i}", "kv", RUNS, receiver.peer_address, 10, False,
+                                      capability=expected.capability)
                 await receiver.final(f"r{i}")
             verbs.expect("cancelled", "kv", PageRuns.of([(9, 1)]), 10)
             verbs.abort("cancelled", "the client went away")

@@ -174,7 +174,10 @@ def test_sidecars_move_pages_between_worker_containers_and_drain_on_stop(pods) -
 
     receiver = decode.worker("receive", "ct-1", detach=True)
     try:
-        sent = json.loads(prefill.worker("send", "ct-1", decode.peer_address).splitlines()[-1])
+        _until(lambda: "capability" in _docker("logs", receiver), 60, "the receiver's expect")
+        capability = json.loads(_docker("logs", receiver).splitlines()[0])["capability"]
+        sent = json.loads(prefill.worker("send", "ct-1", decode.peer_address,
+                                         capability).splitlines()[-1])
         assert sent["state"] == "DONE", sent
         status = _docker("wait", receiver, timeout=120)
         got = json.loads(_docker("logs", receiver).splitlines()[-1])

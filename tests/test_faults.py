@@ -100,8 +100,8 @@ def new_transfer_works(p: KvxferClient, d: KvxferClient, dec, src: AttachedPool,
     """A fresh verified transfer between the same daemons, byte-exact."""
     before = dst.raw.clone()
     src_runs, dst_runs = PageRuns.of([(0, 32)]), PageRuns.of([(100, 32)])
-    d.expect(tid, "kv", dst_runs, timeout_s=30)
-    p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True)
+    expected = d.expect(tid, "kv", dst_runs, timeout_s=30)
+    p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True, capability=expected.capability)
     sent, got = p.wait(tid, timeout_s=35), d.wait(tid, timeout_s=35)
     assert sent.ok and got.ok and got.verified, (sent.error, got.error)
     assert_moved(src, dst, src_runs, dst_runs, before)
@@ -110,8 +110,9 @@ def new_transfer_works(p: KvxferClient, d: KvxferClient, dec, src: AttachedPool,
 def start_whole_pool(p: KvxferClient, d: KvxferClient, dec, tid: str,
                      timeout_s: float = 30) -> None:
     """Push every page of the pool, and return once the receiver is TRANSFERRING."""
-    d.expect(tid, "kv", PageRuns.of([(0, 512)]), timeout_s=timeout_s)
-    p.push(tid, "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=timeout_s)
+    expected = d.expect(tid, "kv", PageRuns.of([(0, 512)]), timeout_s=timeout_s)
+    p.push(tid, "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=timeout_s,
+           capability=expected.capability)
     until(lambda: state(d, tid) != TransferState.WAITING, 20, "claimed")
 
 
@@ -157,11 +158,11 @@ def test_a_daemon_slow_to_answer_a_new_connection_is_waited_for(spawn) -> None:
             answer = caller.submit(first_call)
             time.sleep(1.0)
         assert answer.result(timeout=15) == {"kv": 0}
-        d.expect("slow-peer", "kv", PageRuns.of([(0, 4)]), timeout_s=30)
+        expected = d.expect("slow-peer", "kv", PageRuns.of([(0, 4)]), timeout_s=30)
         with KvxferClient(pre.worker_address) as p:
             with frozen(dec):  # the sender's first handshake to it waits
                 p.push("slow-peer", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address,
-                       timeout_s=30)
+                       timeout_s=30, capability=expected.capability)
                 time.sleep(1.0)
             sent, got = p.wait("slow-peer", timeout_s=35), d.wait("slow-peer", timeout_s=35)
         assert sent.ok and got.ok, (sent.error, got.error)
@@ -184,8 +185,9 @@ def test_a_late_writer_cannot_land_in_reused_pages(spawn) -> None:
         told = dst.raw.clone()  # once the end is told, no write of the old transfer lands
         time.sleep(0.3)
         assert torch.equal(dst.raw, told), "the aborted transfer wrote after its end was told"
-        d.expect("reused", "kv", pages, timeout_s=30)
-        new.push("reused", "kv", pages, peer=dec.peer_address, timeout_s=30, verify=True)
+        expected = d.expect("reused", "kv", pages, timeout_s=30)
+        new.push("reused", "kv", pages, peer=dec.peer_address, timeout_s=30, verify=True,
+                 capability=expected.capability)
         sent, got = new.wait("reused", timeout_s=35), d.wait("reused", timeout_s=35)
         assert sent.ok and got.ok and got.verified, (sent.error, got.error)
         assert d.wait("aborted").state == TransferState.ABORTED
@@ -229,10 +231,10 @@ def test_the_pools_outlive_the_engine_that_wrote_them(spawn) -> None:
     try:
         assert writer.stdout is not None and writer.stdout.readline().strip() == "WRITTEN"
         with KvxferClient(dec.worker_address) as d:
-            d.expect("survives", "kv", PageRuns.of([(0, 512)]), timeout_s=30)
+            expected = d.expect("survives", "kv", PageRuns.of([(0, 512)]), timeout_s=30)
             with KvxferClient(pre.worker_address) as p:
                 p.push("survives", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address,
-                       timeout_s=30, verify=True)
+                       timeout_s=30, verify=True, capability=expected.capability)
             writer.kill()  # the engine dies with the transfer of its pages in flight
             writer.wait(10)
             assert d.wait("survives", timeout_s=35).ok
@@ -247,15 +249,14 @@ def test_the_pools_outlive_the_engine_that_wrote_them(spawn) -> None:
 
 
 def test_deadlines_are_kept_on_both_sides(spawn) -> None:
-    """Transfers nobody completes (a receiver no sender fills, pushes no receiver expects)
-    end DEADLINE_EXCEEDED when their deadline passes, not later."""
+    """Transfers nobody completes (expects no sender fills, offers no receiver pulls) end
+    DEADLINE_EXCEEDED when their deadline passes, not later."""
     pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode")
     deadlines = [0.5 + 0.25 * i for i in range(8)]
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         for i, timeout_s in enumerate(deadlines):
             d.expect(f"unfilled-{i}", "kv", PageRuns.of([(i, 1)]), timeout_s=timeout_s)
-            p.push(f"unexpected-{i}", "kv", PageRuns.of([(i, 1)]), peer=dec.peer_address,
-                   timeout_s=timeout_s)
+            p.offer(f"unpulled-{i}", "kv", PageRuns.of([(i, 1)]), timeout_s=timeout_s)
         overshoot: dict[str, float] = {}
         end = time.monotonic() + max(deadlines) + 5
         while len(overshoot) < 2 * len(deadlines) and time.monotonic() < end:
@@ -300,8 +301,9 @@ def test_sigterm_drains_health_first_then_refuses_then_fails_what_cannot_finish(
     pre, dec = daemon(spawn, "prefill"), daemon(spawn, "decode", "--grace-s", str(grace_s))
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         d.expect("waiting", "kv", PageRuns.of([(0, 1)]), timeout_s=60)
-        d.expect("running", "kv", PageRuns.of([(1, 511)]), timeout_s=60)
-        p.push("running", "kv", PageRuns.of([(1, 511)]), peer=dec.peer_address, timeout_s=60)
+        expected = d.expect("running", "kv", PageRuns.of([(1, 511)]), timeout_s=60)
+        p.push("running", "kv", PageRuns.of([(1, 511)]), peer=dec.peer_address, timeout_s=60,
+               capability=expected.capability)
         until(lambda: state(d, "running") != TransferState.WAITING, 20, "claimed")
         with frozen(pre):
             if state(d, "running").final:

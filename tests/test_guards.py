@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from fake_transport import FakeNetwork
 from inprocess import Side, run, side
 
+from kvxfer.certs import issue_certs
 from kvxfer.errors import (
     DialNotAllowedError,
     PromptMismatchError,
@@ -48,9 +50,13 @@ async def daemons(tmp: Path, **decode_settings: Any) -> AsyncIterator[tuple[Side
     network = FakeNetwork()
     async with side(tmp, "prefill", network) as sender, \
             side(tmp, "decode", network, **decode_settings) as receiver:
-        sender.raw.copy_(torch.randint(0, 256, sender.raw.shape, dtype=torch.uint8,
-                                       generator=torch.Generator().manual_seed(1)))
+        fill(sender)
         yield sender, receiver
+
+
+def fill(sender: Side) -> None:
+    sender.raw.copy_(torch.randint(0, 256, sender.raw.shape, dtype=torch.uint8,
+                                   generator=torch.Generator().manual_seed(1)))
 
 
 def delivered(sender: Side, receiver: Side) -> bool:
@@ -58,11 +64,11 @@ def delivered(sender: Side, receiver: Side) -> bool:
 
 
 async def pull(sender: Side, receiver: Side, tid: str, *, capability: str | None = None,
-               digest: bytes = b"", offered_digest: bytes = b"") -> TransferInfo:
+               digest: bytes = b"", offered_digest: bytes = b"", timeout_s: float = 10) -> TransferInfo:
     """Offer ``SRC`` on the sender and pull it into ``DST``, presenting ``capability`` (the
     offer's when None); the receiver's final status."""
-    offer = sender.transfers.offer(tid, "kv", SRC, 10, False, prompt_digest=offered_digest)
-    receiver.transfers.pull(tid, sender.peer_address, "kv", DST, 10,
+    offer = sender.transfers.offer(tid, "kv", SRC, timeout_s, False, prompt_digest=offered_digest)
+    receiver.transfers.pull(tid, sender.peer_address, "kv", DST, timeout_s,
                             capability=offer.capability if capability is None else capability,
                             prompt_digest=digest)
     return await receiver.final(tid)
@@ -91,6 +97,38 @@ def test_negative_control_without_the_capability_check_a_forger_gets_the_pages(
     run(body)
 
 
+async def push(sender: Side, receiver: Side, tid: str, *, capability: str | None = None) -> TransferInfo:
+    """Expect ``DST`` on the receiver and push ``SRC`` into it, presenting ``capability``
+    (the expect's when None); the sender's final status."""
+    expect = receiver.transfers.expect(tid, "kv", DST, 10)
+    sender.transfers.push(tid, "kv", SRC, receiver.peer_address, 10, False,
+                          capability=expect.capability if capability is None else capability)
+    return await sender.final(tid)
+
+
+def test_a_push_must_present_the_expects_capability(tmp_path: Path) -> None:
+    """Not the expect's capability: NOT_FOUND, the expect still waits, no byte arrives."""
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            forged = await push(sender, receiver, "forged", capability="0" * 32)
+            assert isinstance(forged.failure, TransferNotFoundError), forged.error
+            assert receiver.transfers.registry.get("forged").state == TransferState.WAITING
+            assert not delivered(sender, receiver)
+            assert (await push(sender, receiver, "rightful")).ok and delivered(sender, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_capability_check_a_forger_fills_the_pages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.transfers.receiver.presents", lambda given, held: True)
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            forged = await push(sender, receiver, "forged", capability="0" * 32)
+            assert forged.ok and delivered(sender, receiver)
+    run(body)
+
+
 def test_a_pull_for_another_prompt_is_refused_and_ends_the_offer(tmp_path: Path) -> None:
     async def body() -> None:
         async with daemons(tmp_path) as (sender, receiver):
@@ -114,20 +152,25 @@ def test_negative_control_without_the_digest_check_kv_of_another_prompt_arrives(
     run(body)
 
 
-def test_an_offer_is_aborted_from_a_peer_only_with_its_capability(tmp_path: Path) -> None:
-    """And an abort for an id nobody registered is NOT_FOUND, not remembered."""
+@pytest.mark.parametrize("verb", ["offer", "expect"])
+def test_a_transfer_is_aborted_from_a_peer_only_with_its_capability(tmp_path: Path, verb: str) -> None:
+    """An offer (prefill side) or an expect (decode side) not yet claimed; an abort for an id
+    nobody registered is NOT_FOUND, and not remembered."""
     async def body() -> None:
-        async with daemons(tmp_path) as (sender, _):
-            offer = sender.transfers.offer("mine", "kv", SRC, 10, False)
+        async with daemons(tmp_path) as (prefill, decode):
+            register = (partial(prefill.transfers.offer, verify=False) if verb == "offer"
+                        else decode.transfers.expect)
+            side_ = prefill if verb == "offer" else decode
+            mine = register("mine", "kv", SRC, 10)
             for capability in ("", "f" * 32):
                 with pytest.raises(TransferNotFoundError):
-                    sender.transfers.abort_from_peer(PeerAbort("mine", "", "eve", capability), STRANGER)
+                    side_.transfers.abort_from_peer(PeerAbort("mine", "", "eve", capability), STRANGER)
             with pytest.raises(TransferNotFoundError):
-                sender.transfers.abort_from_peer(PeerAbort("later", "", "eve"), STRANGER)
-            assert offer.state == TransferState.WAITING
-            assert sender.transfers.offer("later", "kv", SRC, 10, False).state == TransferState.WAITING
-            sender.transfers.abort_from_peer(PeerAbort("mine", "", "decode", offer.capability), STRANGER)
-            assert offer.state == TransferState.ABORTED
+                side_.transfers.abort_from_peer(PeerAbort("later", "", "eve"), STRANGER)
+            assert mine.state == TransferState.WAITING
+            assert register("later", "kv", SRC, 10).state == TransferState.WAITING
+            side_.transfers.abort_from_peer(PeerAbort("mine", "", "peer", mine.capability), STRANGER)
+            assert mine.state == TransferState.ABORTED
     run(body)
 
 
@@ -177,6 +220,53 @@ def test_negative_control_without_the_dial_policy_the_peer_is_dialled(
 def handshake(version: int) -> pb.HandshakeRequest:
     return pb.HandshakeRequest(protocol_version=version, session_id=f"v{version}",
                                ucx_host="127.0.0.1", ucx_ports=[1], peer_address="127.0.0.1:1")
+
+
+@asynccontextmanager
+async def tls_daemons(tmp: Path, sender_name: str) -> AsyncIterator[tuple[Side, Side]]:
+    """A sender with ``sender_name``'s certificate; a receiver that admits and dials only
+    "prefill" and "decode"; one CA."""
+    ca = tmp / "ca"
+    issue_certs(ca, ["prefill", "decode", "eve"])
+
+    def tls(name: str) -> dict[str, str]:
+        return {"peer_tls_cert": str(ca / f"{name}.pem"), "peer_tls_key": str(ca / f"{name}.key"),
+                "peer_tls_ca": str(ca / "ca.pem")}
+
+    network = FakeNetwork()
+    async with side(tmp, sender_name, network, **tls(sender_name)) as sender, \
+            side(tmp, "decode", network, peer_allow=["prefill", "decode"], **tls("decode")) as receiver:
+        fill(sender)
+        yield sender, receiver
+
+
+def test_a_peer_whose_certificate_names_no_allowed_identity_is_never_called(tmp_path: Path) -> None:
+    """eve's certificate is the CA's and names its address, but eve is not in peer_allow:
+    the pull fails before any call reaches eve (its capability stays with the decode side)."""
+    async def body() -> None:
+        async with tls_daemons(tmp_path / "eve", "eve") as (eve, receiver):
+            got = await pull(eve, receiver, "to-eve")
+            assert isinstance(got.failure, DialNotAllowedError), got.error
+            assert "presents a certificate for ['eve', 'localhost']" in got.error
+            assert requests_push_seen(eve) == 0 and not delivered(eve, receiver)
+            assert receiver.daemon.metrics.dials_refused._value.get() == 1
+        async with tls_daemons(tmp_path / "prefill", "prefill") as (prefill, receiver):
+            assert (await pull(prefill, receiver, "to-prefill")).ok and delivered(prefill, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_identity_check_the_capability_reaches_eve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unchecked(self: object, address: str) -> None:
+        return None
+
+    monkeypatch.setattr("kvxfer.server.peer_client.PeerClients._check_identity", unchecked)
+
+    async def body() -> None:
+        async with tls_daemons(tmp_path, "eve") as (eve, receiver):
+            await pull(eve, receiver, "to-eve", timeout_s=1)
+            assert requests_push_seen(eve) == 1
+    run(body)
 
 
 def test_a_handshake_of_another_protocol_version_is_refused_naming_both(tmp_path: Path) -> None:

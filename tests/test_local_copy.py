@@ -127,11 +127,11 @@ class _FileSender:
         assert hello.reads_locally
         self._watch = self.stub.Watch(beats(self.session, self._stop))
 
-    def claim(self, tid: str, runs: PageRuns) -> pb.ClaimResponse:
+    def claim(self, tid: str, runs: PageRuns, capability: str) -> pb.ClaimResponse:
         return self.stub.Claim(pb.ClaimRequest(
             transfer_id=tid, session_id=self.session, src_pool="kv",
-            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()], timeout_s=10),
-            timeout=10)
+            src_runs=[pb.PageRun(start=s, count=c) for s, c in runs.pairs()],
+            capability=capability), timeout=10)
 
     def commit(self, tid: str) -> pb.TransferStatus:
         return self.stub.Commit(pb.CommitRequest(transfer_id=tid, session_id=self.session),
@@ -157,8 +157,8 @@ def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp
         try:
             page = descriptor.page_bytes
             anchor = descriptor.layout.anchor_bytes
-            d.expect("committed", "kv", PageRuns.of([(30, 2)]), timeout_s=20)
-            assert sender.claim("committed", PageRuns.of([(5, 2)])).copied
+            expected = d.expect("committed", "kv", PageRuns.of([(30, 2)]), timeout_s=20)
+            assert sender.claim("committed", PageRuns.of([(5, 2)]), expected.capability).copied
             time.sleep(0.3)
             assert d.transfers()[-1].state == TransferState.TRANSFERRING
             got = dst.raw[anchor + 30 * page: anchor + 32 * page]
@@ -166,8 +166,8 @@ def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp
             assert info_from_proto(sender.commit("committed")).state == TransferState.DONE
             assert d.wait("committed", timeout_s=5).ok
 
-            d.expect("uncommitted", "kv", PageRuns.of([(40, 1)]), timeout_s=1.5)
-            assert sender.claim("uncommitted", PageRuns.of([(1, 1)])).copied
+            expected = d.expect("uncommitted", "kv", PageRuns.of([(40, 1)]), timeout_s=1.5)
+            assert sender.claim("uncommitted", PageRuns.of([(1, 1)]), expected.capability).copied
             assert d.wait("uncommitted", timeout_s=10).state == TransferState.DEADLINE_EXCEEDED
         finally:
             sender.close()
@@ -253,9 +253,9 @@ def test_a_senders_file_shortened_mid_session_fails_the_transfer_not_the_receive
                              path)
         try:
             os.truncate(path, memory.size_bytes // 2)
-            d.expect("shortened", "kv", PageRuns.of([(60, 2)]), timeout_s=20)
-            with pytest.raises(grpc.RpcError) as refused:
-                sender.claim("shortened", PageRuns.of([(62, 2)]))  # past the new end
+            expected = d.expect("shortened", "kv", PageRuns.of([(60, 2)]), timeout_s=20)
+            with pytest.raises(grpc.RpcError) as refused:  # past the new end
+                sender.claim("shortened", PageRuns.of([(62, 2)]), expected.capability)
             assert refused.value.code() == grpc.StatusCode.DATA_LOSS
             assert str(path) in str(refused.value.details()), refused.value.details()
             got = d.wait("shortened", timeout_s=5)
@@ -288,8 +288,8 @@ def test_a_copy_cut_short_never_ends_done_and_the_receiver_keeps_serving(spawn, 
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         assert hand_off(p, d, "warm-up", pool="kv", src=PageRuns.of([(0, 1)]),
                         dst=PageRuns.of([(0, 1)]), decode_peer=dec.peer_address).ok
-        d.expect("cut", "kv", BIG_RUNS, timeout_s=20)
-        p.push("cut", "kv", BIG_RUNS, peer=dec.peer_address, timeout_s=20)
+        expected = d.expect("cut", "kv", BIG_RUNS, timeout_s=20)
+        p.push("cut", "kv", BIG_RUNS, peer=dec.peer_address, timeout_s=20, capability=expected.capability)
         _when_copying(d, "cut")
         start = time.monotonic()
         if fault == "sender killed":

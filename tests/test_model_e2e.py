@@ -19,8 +19,8 @@ def test_decode_worker_continues_exactly_where_prefill_stopped(flavour: str, tmp
     with LocalDaemon("prefill", [], workdir=str(tmp_path / "p"), extra_args=["--config", config]) as pre, \
             LocalDaemon("decode", [], workdir=str(tmp_path / "d"), extra_args=["--config", config]) as dec:
         got = run_disaggregated(flavour, PROMPTS, NEW_TOKENS, verify=True, daemons=(pre, dec))
-        assert set(got["_pushed"].values()) == {"DONE"}
-        assert len(got["_pushed"]) == len(PROMPTS) * (2 if flavour == "hybrid" else 1)
+        assert set(got["_offered"].values()) == {"DONE"}
+        assert len(got["_offered"]) == len(PROMPTS) * (2 if flavour == "hybrid" else 1)
         report = compare(got, want)
         for rid, r in report.items():
             assert r["tokens_equal"], (rid, r["tokens"], want[rid]["tokens"])

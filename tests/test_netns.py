@@ -109,8 +109,9 @@ def test_push_and_pull_across_a_veth_link(two_hosts, tmp_path: Path) -> None:
             rx_before = b.rx_bytes()
             src_runs, dst_runs = standard_runs(21, num_pages=128, pages=48)
             before = dst.raw.clone()
-            d.expect("veth-push", "kv", dst_runs, timeout_s=60)
-            p.push("veth-push", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+            expected = d.expect("veth-push", "kv", dst_runs, timeout_s=60)
+            p.push("veth-push", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True,
+                   capability=expected.capability)
             sent, got = p.wait("veth-push", timeout_s=60), d.wait("veth-push", timeout_s=60)
             assert sent.ok and got.ok, (sent.error, got.error)
             assert got.verified
@@ -148,8 +149,8 @@ def test_a_cut_link_fails_transfers_by_liveness_and_sessions_heal_after(two_host
                 p.attach("kv") as src, d.attach("kv") as dst:
             fill_random(src, 23)
             whole = PageRuns.of([(0, 128)])
-            d.expect("cut", "kv", whole, timeout_s=60)
-            p.push("cut", "kv", whole, peer=dec.peer_address, timeout_s=60)
+            expected = d.expect("cut", "kv", whole, timeout_s=60)
+            p.push("cut", "kv", whole, peer=dec.peer_address, timeout_s=60, capability=expected.capability)
             wait_until_claimed(d, "cut")
             _ip("-n", a.netns, "link", "set", a.device, "down")
             try:
@@ -171,8 +172,9 @@ def test_a_cut_link_fails_transfers_by_liveness_and_sessions_heal_after(two_host
             for attempt in range(3):
                 before = dst.raw.clone()
                 tid = f"healed-{attempt}"
-                d.expect(tid, "kv", dst_runs, timeout_s=20)
-                p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=20, verify=True)
+                expected = d.expect(tid, "kv", dst_runs, timeout_s=20)
+                p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=20, verify=True,
+                       capability=expected.capability)
                 sent, got = p.wait(tid, timeout_s=25), d.wait(tid, timeout_s=25)
                 if sent.ok and got.ok:
                     break
@@ -221,9 +223,10 @@ def test_a_lossy_slow_link_delivers_exact_bytes_or_fails_by_deadline(two_hosts,
             fill_random(src, 25)
             src_runs, dst_runs = standard_runs(25, num_pages=128, pages=32)
             before = dst.raw.clone()
-            d.expect("lossy", "kv", dst_runs, timeout_s=60)
+            expected = d.expect("lossy", "kv", dst_runs, timeout_s=60)
             start = time.monotonic()
-            p.push("lossy", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+            p.push("lossy", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True,
+                   capability=expected.capability)
             sent, got = p.wait("lossy", timeout_s=70), d.wait("lossy", timeout_s=70)
             seconds = time.monotonic() - start
             if got.ok:

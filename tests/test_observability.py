@@ -38,13 +38,13 @@ def observed(tmp_path_factory):
             LocalDaemon("decode", [POOL], workdir=str(root / "d"), metrics=True,
                         log_level="info", extra_args=args) as dec, \
             KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
-        d.expect("observed", "kv", PageRuns.of([(8, 4)]), timeout_s=20)
+        expected = d.expect("observed", "kv", PageRuns.of([(8, 4)]), timeout_s=20)
         engine_span = SpanContext(TRACE_ID, 0x00F067AA0BA902B7, is_remote=True,
                                   trace_flags=TraceFlags(TraceFlags.SAMPLED))
         token = context.attach(trace.set_span_in_context(NonRecordingSpan(engine_span)))
         try:
             p.push("observed", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address, timeout_s=20,
-                   verify=True)
+                   verify=True, capability=expected.capability)
         finally:
             context.detach(token)
         assert p.wait("observed").state == d.wait("observed").state == TransferState.DONE

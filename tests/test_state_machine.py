@@ -58,8 +58,9 @@ def transitions(history: list[TransferState]) -> set[Transition]:
 
 async def push(sender: Side, receiver: Side, tid: str, *, verify: bool = False,
                timeout_s: float = 10) -> None:
-    receiver.transfers.expect(tid, "kv", DST, timeout_s)
-    sender.transfers.push(tid, "kv", SRC, receiver.peer_address, timeout_s, verify)
+    expected = receiver.transfers.expect(tid, "kv", DST, timeout_s)
+    sender.transfers.push(tid, "kv", SRC, receiver.peer_address, timeout_s, verify,
+                          capability=expected.capability)
 
 
 async def a_push_completes(sender: Side, receiver: Side, network: FakeNetwork) -> None:

@@ -136,7 +136,7 @@ def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair)
         fill_random(src, 7)
         src_runs, dst_runs = standard_runs(7, num_pages=64, pages=24)
         before = dst.raw.clone()
-        d.expect("guarded", "kv", dst_runs, timeout_s=60)
+        expected = d.expect("guarded", "kv", dst_runs, timeout_s=60)
 
         ca, other = tmp / "ca", tmp / "other-ca"
         strangers = {
@@ -156,7 +156,8 @@ def test_strangers_reach_nothing_and_the_rightful_peer_still_transfers(tls_pair)
 
         [waiting] = d.transfers()
         assert waiting.state.name == "WAITING"
-        p.push("guarded", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        p.push("guarded", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True,
+               capability=expected.capability)
         sent, got = p.wait("guarded", timeout_s=60), d.wait("guarded", timeout_s=60)
         assert sent.ok and got.ok and got.verified, (sent.error, got.error)
         assert_moved(src, dst, src_runs, dst_runs, before)
@@ -174,26 +175,29 @@ def test_an_authenticated_peer_cannot_touch_another_sessions_or_peers_transfer(
         src_runs, dst_runs = standard_runs(11, num_pages=56, pages=16)  # pages 60, 61: "claimed"
         before = dst.raw.clone()
         pool = descriptor_to_proto(d.describe("kv")[0])
-        d.expect("named", "kv", dst_runs, timeout_s=60, peer_identity="prefill")
-        d.expect("claimed", "kv", PageRuns.of([(60, 2)]), timeout_s=60)
+        expected = d.expect("named", "kv", dst_runs, timeout_s=60, peer_identity="prefill")
+        claimed = d.expect("claimed", "kv", PageRuns.of([(60, 2)]), timeout_s=60)
         tester, eve = PeerAs(dec, ca, "tester", pool), PeerAs(dec, ca, "eve", pool)
         try:
             mine, evil = tester.open_session("tester-session"), eve.open_session("eve-session")
-            tester.claim("claimed", mine, PageRuns.of([(0, 2)]))
+            tester.claim("claimed", mine, PageRuns.of([(0, 2)]), claimed.capability)
 
-            # A transfer reserved for "prefill": eve may neither claim nor abort it.
-            code, message = refused(eve.claim, "named", evil, src_runs)
-            assert code == grpc.StatusCode.PERMISSION_DENIED and "reserved" in message
-            code, _ = refused(eve.abort, "named", "")
-            assert code == grpc.StatusCode.PERMISSION_DENIED
+            # A transfer reserved for "prefill": eve may neither claim nor abort it, even
+            # with its capability (both must match).
+            for capability in ("", expected.capability):
+                code, message = refused(eve.claim, "named", evil, src_runs, capability)
+                assert (code, capability) in {(grpc.StatusCode.NOT_FOUND, ""),
+                                              (grpc.StatusCode.PERMISSION_DENIED, capability)}
+                code, _ = refused(eve.abort, "named", "", capability)
+                assert code == grpc.StatusCode.NOT_FOUND
             # A transfer another session claimed: not through eve's session, not with the
-            # stolen session id, not by claiming it again.
+            # stolen session id, not with its capability, not by claiming it again.
             for session in (evil, mine, ""):
-                code, message = refused(eve.abort, "claimed", session)
-                assert code == grpc.StatusCode.PERMISSION_DENIED and "another session" in message
-            code, _ = refused(eve.claim, "claimed", mine, PageRuns.of([(0, 2)]))
+                code, message = refused(eve.abort, "claimed", session, claimed.capability)
+                assert code == grpc.StatusCode.NOT_FOUND and message.endswith("open to this caller")
+            code, _ = refused(eve.claim, "claimed", mine, PageRuns.of([(0, 2)]), claimed.capability)
             assert code == grpc.StatusCode.UNAVAILABLE  # someone else's session is unknown to eve
-            code, _ = refused(eve.claim, "claimed", evil, PageRuns.of([(0, 2)]))
+            code, _ = refused(eve.claim, "claimed", evil, PageRuns.of([(0, 2)]), claimed.capability)
             assert code == grpc.StatusCode.ALREADY_EXISTS
             code, _ = refused(eve.open_session, mine)
             assert code == grpc.StatusCode.INVALID_ARGUMENT  # a session id is never reused
@@ -206,7 +210,8 @@ def test_an_authenticated_peer_cannot_touch_another_sessions_or_peers_transfer(
             tester.close()
             eve.close()
 
-        p.push("named", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        p.push("named", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True,
+               capability=expected.capability)
         sent, got = p.wait("named", timeout_s=60), d.wait("named", timeout_s=60)
         assert sent.ok and got.ok and got.verified, (sent.error, got.error)
         assert_moved(src, dst, src_runs, dst_runs, before)
@@ -268,9 +273,7 @@ def test_an_admitted_peer_without_the_capability_cannot_fill_a_pull(spawn, tmp_p
         try:
             session = eve.open_session("eve-session")
             for capability in ("", "b" * 32):
-                request = eve.claim_request("waiting", session, PageRuns.of([(0, 2)]))
-                request.capability = capability
-                code, message = refused(eve.stub.Claim, request)
+                code, message = refused(eve.claim, "waiting", session, PageRuns.of([(0, 2)]), capability)
                 assert code == grpc.StatusCode.NOT_FOUND and message.endswith("here is open to this caller")
         finally:
             eve.close()

@@ -74,9 +74,10 @@ def _parent(span: ReadableSpan) -> int:
 def test_one_push_is_one_trace_across_both_daemons(daemons, exporter) -> None:
     pre, dec, p, d = daemons
     engine = trace.get_tracer("an engine")
-    d.expect("traced-push", "kv", DST, timeout_s=10)  # the decode engine's call, untraced
+    expected = d.expect("traced-push", "kv", DST, timeout_s=10)  # the decode engine's call, untraced
     with engine.start_as_current_span("prefill request") as request:
-        p.push("traced-push", "kv", RUNS, peer=dec.peer_address, timeout_s=10, verify=True)
+        p.push("traced-push", "kv", RUNS, peer=dec.peer_address, timeout_s=10, verify=True,
+               capability=expected.capability)
     assert p.wait("traced-push").state == TransferState.DONE
     assert d.wait("traced-push").state == TransferState.DONE
 
@@ -177,12 +178,13 @@ def test_real_daemons_export_one_trace_to_an_otlp_collector(tmp_path) -> None:
         with LocalDaemon("prefill", [POOL], workdir=str(tmp_path / "p"), extra_args=args) as pre, \
                 LocalDaemon("decode", [POOL], workdir=str(tmp_path / "d"), extra_args=args) as dec:
             with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
-                d.expect("exported", "kv", DST, timeout_s=20)
+                expected = d.expect("exported", "kv", DST, timeout_s=20)
                 engine = SpanContext(trace_id, 0x00F067AA0BA902B7, is_remote=True,
                                      trace_flags=TraceFlags(TraceFlags.SAMPLED))
                 token = context.attach(trace.set_span_in_context(NonRecordingSpan(engine)))
                 try:
-                    p.push("exported", "kv", RUNS, peer=dec.peer_address, timeout_s=20, verify=True)
+                    p.push("exported", "kv", RUNS, peer=dec.peer_address, timeout_s=20, verify=True,
+                           capability=expected.capability)
                 finally:
                     context.detach(token)
                 assert p.wait("exported").ok and d.wait("exported").ok

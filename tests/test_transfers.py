@@ -20,7 +20,7 @@ from pool_checks import assert_moved, fill_random, standard_runs
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
-from kvxfer.errors import TransferNotFoundError
+from kvxfer.errors import InvalidRangeError, TransferNotFoundError
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -50,8 +50,9 @@ def test_standard_workload_push_is_byte_exact(pair) -> None:
     for seed in range(2):
         src_runs, dst_runs = standard_runs(seed)
         before = dst.raw.clone()
-        d.expect(f"std-{seed}", "kv", dst_runs, timeout_s=60)
-        p.push(f"std-{seed}", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True)
+        expected = d.expect(f"std-{seed}", "kv", dst_runs, timeout_s=60)
+        p.push(f"std-{seed}", "kv", src_runs, peer=dec.peer_address, timeout_s=60, verify=True,
+               capability=expected.capability)
         sent, got = p.wait(f"std-{seed}"), d.wait(f"std-{seed}")
         assert sent.ok and got.ok, (sent.error, got.error)
         assert got.verified and got.bytes == 128 * 2 * 2**20
@@ -64,24 +65,42 @@ def test_standard_workload_push_is_byte_exact(pair) -> None:
 def test_a_one_chunk_transfer_uses_one_lane(pair) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
-    d.expect("one-chunk", "kv", PageRuns.of([(300, 1)]), timeout_s=30)
-    p.push("one-chunk", "kv", PageRuns.of([(9, 1)]), peer=dec.peer_address, timeout_s=30)
+    expected = d.expect("one-chunk", "kv", PageRuns.of([(300, 1)]), timeout_s=30)
+    p.push("one-chunk", "kv", PageRuns.of([(9, 1)]), peer=dec.peer_address, timeout_s=30,
+           capability=expected.capability)
     sent, got = p.wait("one-chunk"), d.wait("one-chunk")
     assert sent.ok and got.ok, (sent.error, got.error)
     assert sent.lanes == got.lanes == 1 and got.extents == 1
     assert_moved(src, dst, PageRuns.of([(9, 1)]), PageRuns.of([(300, 1)]), before)
 
 
-def test_push_before_expect_waits_for_the_expect(pair) -> None:
+def test_a_push_presents_the_expects_capability(pair) -> None:
+    """The expect's answer holds a capability; a push presenting it fills the pages. A push
+    before the expect, or with a wrong capability, fails NOT_FOUND at once (the same
+    message) and leaves the expect waiting; once filled, the capability opens nothing."""
     pre, dec, p, d, src, dst = pair
     src_runs, dst_runs = PageRuns.of([(3, 5)]), PageRuns.of([(100, 2), (7, 3)])
     before = dst.raw.clone()
-    p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30)
-    time.sleep(0.5)
-    assert p.transfers()[-1].state == TransferState.WAITING
-    d.expect("late-expect", "kv", dst_runs, timeout_s=30)
-    assert p.wait("late-expect").ok and d.wait("late-expect").ok
+    with pytest.raises(InvalidRangeError, match="capability is empty"):
+        p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30)
+    early = p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30,
+                   capability="0" * 32, wait=True)
+    expected = d.expect("late-expect", "kv", dst_runs, timeout_s=30)
+    assert len(expected.capability) == 32 and not d.transfers()[-1].capability  # never listed
+    wrong = p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30,
+                   capability="f" * 32, wait=True)
+    assert d.transfers()[-1].state == TransferState.WAITING and torch.equal(dst.raw, before)
+    sent = p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30,
+                  capability=expected.capability, wait=True)
+    assert sent.ok and d.wait("late-expect").ok
     assert_moved(src, dst, src_runs, dst_runs, before)
+    moved = dst.raw.clone()
+    again = p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30,
+                   capability=expected.capability, wait=True)
+    for refused in (early, wrong, again):
+        assert isinstance(refused.failure, TransferNotFoundError), refused.error
+        assert refused.error.endswith("here is open to this caller") and refused.seconds < 5
+    assert torch.equal(dst.raw, moved)
 
 
 def test_a_pull_presents_the_offers_capability_once(pair) -> None:
@@ -118,11 +137,11 @@ def test_verbs_sent_with_wait_answer_with_the_final_status(pair) -> None:
     with ThreadPoolExecutor(1) as other_side:
         for tid, src_runs, dst_runs in cases:
             before = dst.raw.clone()
-            if tid == "fold-push":
-                receiving = other_side.submit(d.expect, tid, "kv", dst_runs, 30, wait=True)
+            if tid == "fold-push":  # the expect's capability lets the push go out
+                expected = d.expect(tid, "kv", dst_runs, 30)
                 sent = p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30,
-                              verify=True, wait=True)
-                got = receiving.result(35)
+                              verify=True, wait=True, capability=expected.capability)
+                got = d.wait(tid, 35)
             else:  # the lease's capability lets the pull go out with the offer
                 lease = p.allocate("kv", src_runs.num_pages)
                 sending = other_side.submit(p.offer, tid, "kv", lease.runs, 30, True,
@@ -138,8 +157,9 @@ def test_verbs_sent_with_wait_answer_with_the_final_status(pair) -> None:
 
 @pytest.mark.parametrize("refused", ["expect", "push"])
 def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused: str) -> None:
-    """hand_off sends both verbs at once; when one is refused (here a page out of range),
-    the other side is aborted, not left to its deadline, and the refusal is raised."""
+    """hand_off registers the expect, then sends the push; when one is refused (here a page
+    out of range), the refusal is raised and the other side is never registered (a refused
+    expect) or aborted at once, not left to its deadline (a refused push)."""
     from kvxfer.client.handoff import hand_off
     from kvxfer.errors import InvalidRangeError
 
@@ -154,8 +174,10 @@ def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused:
                  dst=bad if refused == "expect" else good, decode_peer=dec.peer_address,
                  timeout_s=30)
     assert time.monotonic() - start < 5
-    other = d if refused == "push" else p
-    assert other.wait(tid, timeout_s=1).state == TransferState.ABORTED
+    if refused == "push":
+        assert d.wait(tid, timeout_s=1).state == TransferState.ABORTED
+    else:
+        assert tid not in {t.transfer_id for t in p.transfers()}
     assert torch.equal(dst.raw, before)
 
 
@@ -178,8 +200,8 @@ def test_sixteen_concurrent_transfers_in_both_directions(pair) -> None:
         tid, forward, s_runs, d_runs = job
         sender, receiver = (p, d) if forward else (d, p)
         peer = dec.peer_address if forward else pre.peer_address
-        receiver.expect(tid, "kv", d_runs, timeout_s=60)
-        sender.push(tid, "kv", s_runs, peer=peer, timeout_s=60, verify=True)
+        expected = receiver.expect(tid, "kv", d_runs, timeout_s=60)
+        sender.push(tid, "kv", s_runs, peer=peer, timeout_s=60, verify=True, capability=expected.capability)
         return sender.wait(tid), receiver.wait(tid)
 
     with ThreadPoolExecutor(16) as pool:
@@ -199,8 +221,9 @@ def test_incompatible_layout_is_refused_before_any_byte_moves(pair, spawn) -> No
     other = spawn("other", ["name=kv,preset=llama8b,num_pages=16,head_num=4"])
     with KvxferClient(other.worker_address) as o, o.attach("kv") as odst:
         before = odst.raw.clone()
-        o.expect("incompat", "kv", PageRuns.of([(0, 4)]), timeout_s=20)
-        p.push("incompat", "kv", PageRuns.of([(0, 4)]), peer=other.peer_address, timeout_s=20)
+        expected = o.expect("incompat", "kv", PageRuns.of([(0, 4)]), timeout_s=20)
+        p.push("incompat", "kv", PageRuns.of([(0, 4)]), peer=other.peer_address, timeout_s=20,
+               capability=expected.capability)
         sent, got = p.wait("incompat"), o.wait("incompat")
         assert sent.state == got.state == TransferState.FAILED
         assert sent.error_code == got.error_code == "FAILED_PRECONDITION"
@@ -235,8 +258,9 @@ def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
         ):
             src_runs, dst_runs = PageRuns.of([(0, 5)]), PageRuns.of([(30, 3), (50, 2)])
             before = r_pool.raw.clone()
-            receiver.expect(tid, "kv", dst_runs, timeout_s=30)
-            sender.push(tid, "kv", src_runs, peer=r_daemon.peer_address, timeout_s=30, verify=True)
+            expected = receiver.expect(tid, "kv", dst_runs, timeout_s=30)
+            sender.push(tid, "kv", src_runs, peer=r_daemon.peer_address, timeout_s=30, verify=True,
+                        capability=expected.capability)
             sent, got = sender.wait(tid), receiver.wait(tid)
             assert sent.ok and got.ok and got.verified, (sent.error, got.error)
             assert sent.lanes == got.lanes == 1
@@ -246,7 +270,7 @@ def test_daemons_with_different_lane_counts_use_the_smaller(spawn) -> None:
 def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair, peer_channel) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
-    d.expect("ghost-pool", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
+    expected = d.expect("ghost-pool", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
     with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
         peer.Handshake(pb.HandshakeRequest(protocol_version=1, session_id="no-pools", ucx_host="127.0.0.1",
@@ -254,7 +278,8 @@ def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair, pee
                                            peer_address="127.0.0.1:1"), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             peer.Claim(pb.ClaimRequest(transfer_id="ghost-pool", session_id="no-pools",
-                                       src_pool="kv", src_runs=[pb.PageRun(start=0, count=1)]),
+                                       src_pool="kv", src_runs=[pb.PageRun(start=0, count=1)],
+                                       capability=expected.capability),
                        timeout=10)
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "did not describe" in refused.value.details()
@@ -267,7 +292,7 @@ def test_a_claim_from_a_pool_the_handshake_did_not_describe_is_refused(pair, pee
 def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair, peer_channel) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
-    d.expect("many-lanes", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
+    expected = d.expect("many-lanes", "kv", PageRuns.of([(0, 1)]), timeout_s=20)
     descriptor, _ = p.describe("kv")
     with peer_channel(dec.peer_address) as channel:
         peer = pb_grpc.KvxferPeerStub(channel)
@@ -276,7 +301,8 @@ def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair, peer_cha
                                            peer_address="127.0.0.1:1"), timeout=10)
         with pytest.raises(grpc.RpcError) as refused:
             peer.Claim(pb.ClaimRequest(transfer_id="many-lanes", session_id="greedy", src_pool="kv",
-                                       src_runs=[pb.PageRun(start=0, count=1)], lanes=9),
+                                       src_runs=[pb.PageRun(start=0, count=1)], lanes=9,
+                                       capability=expected.capability),
                        timeout=10)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "offers 9 UCX lanes; this daemon has 2" in refused.value.details()
@@ -287,8 +313,8 @@ def test_a_claim_over_more_lanes_than_the_receiver_has_is_refused(pair, peer_cha
 def test_unequal_page_counts_fail_both_sides(pair) -> None:
     pre, dec, p, d, src, dst = pair
     before = dst.raw.clone()
-    d.expect("unequal", "kv", PageRuns.of([(0, 3)]), timeout_s=20)
-    p.push("unequal", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address, timeout_s=20)
+    expected = d.expect("unequal", "kv", PageRuns.of([(0, 3)]), timeout_s=20)
+    p.push("unequal", "kv", PageRuns.of([(0, 4)]), peer=dec.peer_address, timeout_s=20, capability=expected.capability)
     sent, got = p.wait("unequal"), d.wait("unequal")
     assert sent.error_code == got.error_code == "INVALID_ARGUMENT"
     assert "4 pages but destination has 3" in got.error
@@ -299,8 +325,8 @@ def test_deadline_expires_on_both_sides(pair) -> None:
     pre, dec, p, d, src, dst = pair
     start = time.monotonic()
     d.expect("lonely-expect", "kv", PageRuns.of([(0, 1)]), timeout_s=1.0)
-    p.push("lonely-push", "kv", PageRuns.of([(0, 1)]), peer=dec.peer_address, timeout_s=1.0)
-    got, sent = d.wait("lonely-expect", timeout_s=10), p.wait("lonely-push", timeout_s=10)
+    p.offer("lonely-offer", "kv", PageRuns.of([(0, 1)]), timeout_s=1.0)
+    got, sent = d.wait("lonely-expect", timeout_s=10), p.wait("lonely-offer", timeout_s=10)
     assert got.state == sent.state == TransferState.DEADLINE_EXCEEDED
     assert "within its 1s deadline" in got.error
     assert time.monotonic() - start < 5
@@ -308,31 +334,19 @@ def test_deadline_expires_on_both_sides(pair) -> None:
 
 def test_receiver_abort_ends_the_sender(pair) -> None:
     pre, dec, p, d, src, dst = pair
-    d.expect("abort-r", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
+    expected = d.expect("abort-r", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
     assert d.abort("abort-r", "request cancelled").state == TransferState.ABORTED
-    p.push("abort-r", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
+    p.push("abort-r", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30, capability=expected.capability)
     sent = p.wait("abort-r", timeout_s=10)
     assert sent.state == TransferState.ABORTED and "request cancelled" in sent.error
-
-
-def test_an_abort_for_an_id_not_registered_is_not_remembered(pair) -> None:
-    """A peer's abort of an id the receiver does not know is NOT_FOUND, and a later
-    registration of that id is not ended by it (nobody can pre-abort another's transfer)."""
-    pre, dec, p, d, src, dst = pair
-    p.push("abort-early", "kv", PageRuns.of([(0, 2)]), peer=dec.peer_address, timeout_s=30)
-    time.sleep(0.3)  # the push now waits in Claim for an expect that has not come
-    assert p.abort("abort-early", "prefill cancelled").state == TransferState.ABORTED
-    time.sleep(0.3)
-    later = d.expect("abort-early", "kv", PageRuns.of([(0, 2)]), timeout_s=1)
-    assert later.state == TransferState.WAITING
-    assert d.wait("abort-early", timeout_s=10).state == TransferState.DEADLINE_EXCEEDED
 
 
 def test_abort_mid_transfer_ends_both_sides(pair) -> None:
     pre, dec, p, d, src, dst = pair
     src_runs, dst_runs = standard_runs(5)
-    d.expect("abort-mid", "kv", dst_runs, timeout_s=30)
-    p.push("abort-mid", "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True)
+    expected = d.expect("abort-mid", "kv", dst_runs, timeout_s=30)
+    p.push("abort-mid", "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=True,
+           capability=expected.capability)
     d.abort("abort-mid", "decode gave up")
     got, sent = d.wait("abort-mid", timeout_s=10), p.wait("abort-mid", timeout_s=10)
     assert got.state == TransferState.ABORTED
@@ -343,8 +357,9 @@ def test_checksum_mismatch_fails_the_transfer(pair, spawn) -> None:
     pre, dec, p, d, src, dst = pair
     bad = spawn("corrupting", [SMALL], launcher=[sys.executable, str(CORRUPTING), "1"])
     with KvxferClient(bad.worker_address) as b:
-        b.expect("corrupt", "kv", PageRuns.of([(0, 8)]), timeout_s=20)
-        p.push("corrupt", "kv", PageRuns.of([(8, 8)]), peer=bad.peer_address, timeout_s=20, verify=True)
+        expected = b.expect("corrupt", "kv", PageRuns.of([(0, 8)]), timeout_s=20)
+        p.push("corrupt", "kv", PageRuns.of([(8, 8)]), peer=bad.peer_address, timeout_s=20, verify=True,
+               capability=expected.capability)
         got, sent = b.wait("corrupt"), p.wait("corrupt")
     assert got.state == sent.state == TransferState.FAILED
     assert got.error_code == sent.error_code == "DATA_LOSS"
@@ -358,8 +373,9 @@ def test_killing_the_receiver_fails_the_sender_fast_and_others_still_complete(pa
     with KvxferClient(victim.worker_address) as v, KvxferClient(third.worker_address) as t:
         ids = [f"doomed-{i}" for i in range(4)]
         for i, tid in enumerate(ids):
-            v.expect(tid, "kv", PageRuns.of([(i * 128, 128)]), timeout_s=60)
-            p.push(tid, "kv", PageRuns.of([(i * 128, 128)]), peer=victim.peer_address, timeout_s=60)
+            expected = v.expect(tid, "kv", PageRuns.of([(i * 128, 128)]), timeout_s=60)
+            p.push(tid, "kv", PageRuns.of([(i * 128, 128)]), peer=victim.peer_address, timeout_s=60,
+                   capability=expected.capability)
         deadline = time.monotonic() + 20
         while not any(x.state == TransferState.TRANSFERRING for x in p.transfers() if x.transfer_id in ids):
             assert time.monotonic() < deadline
@@ -373,8 +389,9 @@ def test_killing_the_receiver_fails_the_sender_fast_and_others_still_complete(pa
         assert all(o.error_code == "UNAVAILABLE" for o in failed), [o.error for o in failed]
         assert waited < 10, f"sender took {waited:.1f}s to notice the dead peer (deadline 60s)"
         print(f"kill -9 of the receiver: the sender failed its transfers {waited * 1e3:.0f} ms after")
-        t.expect("survivor", "kv", PageRuns.of([(0, 16)]), timeout_s=30)
-        p.push("survivor", "kv", PageRuns.of([(16, 16)]), peer=third.peer_address, timeout_s=30)
+        expected = t.expect("survivor", "kv", PageRuns.of([(0, 16)]), timeout_s=30)
+        p.push("survivor", "kv", PageRuns.of([(16, 16)]), peer=third.peer_address, timeout_s=30,
+               capability=expected.capability)
         assert p.wait("survivor").ok and t.wait("survivor").ok
     assert p.health() == "SERVING"
 
@@ -383,8 +400,9 @@ def test_killing_the_sender_fails_the_receiver_fast(pair, spawn) -> None:
     pre, dec, p, d, src, dst = pair
     doomed = spawn("doomed-sender", [STANDARD])
     with KvxferClient(doomed.worker_address) as s:
-        d.expect("orphan", "kv", PageRuns.of([(0, 256)]), timeout_s=60)
-        s.push("orphan", "kv", PageRuns.of([(0, 256)]), peer=dec.peer_address, timeout_s=60)
+        expected = d.expect("orphan", "kv", PageRuns.of([(0, 256)]), timeout_s=60)
+        s.push("orphan", "kv", PageRuns.of([(0, 256)]), peer=dec.peer_address, timeout_s=60,
+               capability=expected.capability)
         deadline = time.monotonic() + 20
         while d.transfers()[-1].state == TransferState.WAITING:
             assert time.monotonic() < deadline
@@ -434,8 +452,9 @@ def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
             tid = f"commit-{verify}"
             src_runs, dst_runs = PageRuns.of([(1, 3)]), PageRuns.of([(60, 2), (9, 1)])
             before = dst.raw.clone()
-            d.expect(tid, "kv", dst_runs, timeout_s=30)
-            p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=verify)
+            expected = d.expect(tid, "kv", dst_runs, timeout_s=30)
+            p.push(tid, "kv", src_runs, peer=dec.peer_address, timeout_s=30, verify=verify,
+                   capability=expected.capability)
             sent, got = p.wait(tid), d.wait(tid)
             assert sent.ok and got.ok, (sent.error, got.error)
             assert got.verified is verify and sent.verified is verify
@@ -451,8 +470,8 @@ def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(sp
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             peer_channel(dec.peer_address) as channel:
         runs = PageRuns.of([(0, 1)])
-        d.expect("watched-1", "kv", runs, timeout_s=20)
-        p.push("watched-1", "kv", runs, peer=dec.peer_address, timeout_s=20)
+        expected = d.expect("watched-1", "kv", runs, timeout_s=20)
+        p.push("watched-1", "kv", runs, peer=dec.peer_address, timeout_s=20, capability=expected.capability)
         assert p.wait("watched-1").ok and d.wait("watched-1").ok
         peer = pb_grpc.KvxferPeerStub(channel)
         peer.Handshake(pb.HandshakeRequest(protocol_version=1, session_id="never-watched", ucx_host="127.0.0.1",
@@ -473,8 +492,8 @@ def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(sp
             next(peer.Watch(iter([pb.WatchRequest(session_id="never-watched")]), timeout=10))
         assert late.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "without a Watch stream" in late.value.details()
-        d.expect("watched-2", "kv", runs, timeout_s=20)
-        p.push("watched-2", "kv", runs, peer=dec.peer_address, timeout_s=20)
+        expected = d.expect("watched-2", "kv", runs, timeout_s=20)
+        p.push("watched-2", "kv", runs, peer=dec.peer_address, timeout_s=20, capability=expected.capability)
         assert p.wait("watched-2").ok and d.wait("watched-2").ok
         assert metric(port, sessions) == 1
         assert metric(port, rpcs_ok("Handshake")) == 2  # the prefill daemon's session outlived the limit
@@ -484,8 +503,9 @@ def test_a_failed_transfer_leaves_no_receive_posted(spawn) -> None:
     dec, port = spawn_with_metrics(spawn, "decode-metrics", STANDARD)
     doomed = spawn("doomed-sender-2", [STANDARD])
     with KvxferClient(dec.worker_address) as d, KvxferClient(doomed.worker_address) as s:
-        d.expect("cut", "kv", PageRuns.of([(0, 512)]), timeout_s=60)
-        s.push("cut", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=60)
+        expected = d.expect("cut", "kv", PageRuns.of([(0, 512)]), timeout_s=60)
+        s.push("cut", "kv", PageRuns.of([(0, 512)]), peer=dec.peer_address, timeout_s=60,
+               capability=expected.capability)
         # The receives are posted by the UCX thread shortly after the claim: watch the
         # gauge (not just the state) until they show, while the transfer still runs.
         deadline = time.monotonic() + 20

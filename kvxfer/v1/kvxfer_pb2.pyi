@@ -727,6 +727,10 @@ Global___LeaseUse: _TypeAlias = LeaseUse  # noqa: Y015
 
 @_typing.final
 class ExpectRequest(_message.Message):
+    """Every expect holds a capability, minted now and answered in TransferStatus.capability:
+    the Push that fills it must present it (hand it to the prefill side as a secret).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
@@ -779,6 +783,7 @@ class PushRequest(_message.Message):
     VERIFY_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     pool: _builtins.str
     peer: _builtins.str
@@ -788,6 +793,8 @@ class PushRequest(_message.Message):
     """per-extent checksums, checked by the receiver"""
     wait: _builtins.bool
     """answer once the transfer is final, with its final status"""
+    capability: _builtins.str
+    """the expect's capability (its answer told it)"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -803,10 +810,11 @@ class PushRequest(_message.Message):
         verify: _builtins.bool = ...,
         lease: Global___LeaseUse | None = ...,
         wait: _builtins.bool = ...,
+        capability: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "lease", b"lease", "peer", b"peer", "pool", b"pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1459,9 +1467,9 @@ Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class ClaimRequest(_message.Message):
-    """Push: the sender asks the receiver where transfer_id's pages go. The receiver
-    waits (up to timeout_s) for the matching Expect, checks the layouts, posts
-    its UCX receives, and answers with the tags to send to. Without verify, the
+    """Push: the sender asks the receiver where transfer_id's pages go. The Expect (push) or
+    Pull must be registered already; the receiver checks the capability and the layouts,
+    posts its UCX receives, and answers with the tags to send to. Without verify, the
     receiver is done when the last byte arrives and no Commit follows. In a session
     whose receiver reads locally, it copies the pages before it answers (copied).
     """
@@ -1472,7 +1480,6 @@ class ClaimRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     SRC_POOL_FIELD_NUMBER: _builtins.int
     SRC_RUNS_FIELD_NUMBER: _builtins.int
-    TIMEOUT_S_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
@@ -1481,14 +1488,14 @@ class ClaimRequest(_message.Message):
     session_id: _builtins.str
     src_pool: _builtins.str
     """one of the pools the sender's handshake described"""
-    timeout_s: _builtins.float
     verify: _builtins.bool
     chunk_bytes: _builtins.int
     lanes: _builtins.int
     """lanes the sender has connected (0: 1)"""
     capability: _builtins.str
-    """A pull's capability (the one its RequestPush presented): a claim of a pull without it
-    is NOT_FOUND, like an id that does not exist.
+    """The receiving side's capability: the one a pull's RequestPush presented, or the one
+    the Expect's answer told and the Push presented. Without it, or for an id not
+    registered, the claim is NOT_FOUND at once, all with the same message.
     """
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
@@ -1499,7 +1506,6 @@ class ClaimRequest(_message.Message):
         session_id: _builtins.str = ...,
         src_pool: _builtins.str = ...,
         src_runs: _abc.Iterable[Global___PageRun] | None = ...,
-        timeout_s: _builtins.float = ...,
         verify: _builtins.bool = ...,
         chunk_bytes: _builtins.int = ...,
         lanes: _builtins.int = ...,
@@ -1507,7 +1513,7 @@ class ClaimRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "chunk_bytes", b"chunk_bytes", "lanes", b"lanes", "session_id", b"session_id", "src_pool", b"src_pool", "src_runs", b"src_runs", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "chunk_bytes", b"chunk_bytes", "lanes", b"lanes", "session_id", b"session_id", "src_pool", b"src_pool", "src_runs", b"src_runs", "transfer_id", b"transfer_id", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,14 +36,6 @@ Context = grpc.aio.ServicerContext[Any, Any]
 audit = logging.getLogger("kvxfer.audit")
 
 
-def _wait_s(requested: float, context: Context) -> float:
-    """How long a call may wait: what the caller asked for, within its own deadline."""
-    left = context.time_remaining()
-    if left is None:
-        return requested
-    return min(requested, left) if requested else left
-
-
 @contextmanager
 def _audited(caller: Caller, action: str, transfer_id: str, session_id: str) -> Iterator[None]:
     """One audit line for the action inside: ``ok``, or how it was refused."""
@@ -92,7 +84,7 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         caller = Caller.of(context)
         with _audited(caller, "claim", request.transfer_id, request.session_id):
             claim = claim_from_proto(request)
-            grant = await self._transfers.claim(claim, _wait_s(claim.timeout_s, context), caller)
+            grant = await self._transfers.claim(claim, caller)
         return grant_to_proto(grant)
 
     async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.TransferStatus:

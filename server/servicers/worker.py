@@ -77,12 +77,15 @@ class WorkerService(pb_grpc.KvxferServicer):
         t = self._transfers.expect(request.transfer_id, request.pool,
                                    runs_from_proto(request.dst_runs), request.timeout_s,
                                    _lease(request.lease), request.peer_identity)
-        return await self._answer(t, request.wait)
+        answer = await self._answer(t, request.wait)
+        answer.capability = t.capability
+        return answer
 
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.push(request.transfer_id, request.pool,
                                  runs_from_proto(request.src_runs), request.peer,
-                                 request.timeout_s, request.verify, _lease(request.lease))
+                                 request.timeout_s, request.verify, _lease(request.lease),
+                                 request.capability)
         return await self._answer(t, request.wait)
 
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:

@@ -1,17 +1,18 @@
-"""Transfers: the rendezvous and state machine behind expect/push/offer/pull.
+"""Transfers: the registrations and state machine behind expect/push/offer/pull.
 
 Every transfer is keyed by its id (the engine's request id) and has a role on
 this daemon, a deadline, and a final state (done, failed, aborted, deadline
 exceeded) that both sides learn.
 
-Push (``expect`` on the decode daemon D, ``push`` on the prefill daemon P, in
-either order):
+Push (``expect`` on the decode daemon D first, whose answer holds the capability
+that ``push`` on the prefill daemon P presents):
 
 1. P opens a session with D (``kvxfer.server.sessions``): the handshake tells
    D every pool P serves, so a ``Claim`` names its source pool.
-2. P claims the transfer. D waits for the matching ``expect``, checks the
-   layouts, plans the chunks, posts one receive per chunk straight into the
-   destination pages and answers with the tag base (``receiver``).
+2. P claims the transfer with the capability. D finds the matching ``expect``
+   (NOT_FOUND at once without it, ``capability``), checks the layouts, plans
+   the chunks, posts one receive per chunk straight into the destination pages
+   and answers with the tag base (``receiver``).
 3. P plans the same chunks and sends them from the source pages, a bounded
    window in flight (``sender``). Without verify, each side is done when its
    messages complete.
@@ -22,6 +23,6 @@ Pull is the same with one step before: ``pull`` on D registers the expectation
 and asks P (``RequestPush``) to push once its ``offer`` is there.
 
 Modules: ``record`` (one side of a transfer and the table of its states),
-``registry`` (registration, rendezvous, retention, endings), ``planning``
+``registry`` (registration, lookup for peers, retention, endings), ``planning``
 (chunks and tags), ``sender``, ``receiver``, and ``coordinator`` (the verbs).
 """

@@ -1,8 +1,10 @@
-"""A pull's capability and prompt digest.
+"""A transfer's capability and prompt digest.
 
-The capability is the secret the offer holds: its RequestPush must present it (once), the
-claim of the pulled transfer on the decode side must present it, and so must an abort of
-either before a session claimed it. The prompt digest is what the pull's must equal.
+The capability is the secret an offer or an expect holds, minted by its daemon. An
+offer's RequestPush must present it (once), and the claim of the pulled transfer on the
+decode side too; an expect's claim (the Push's) must present the expect's; so must an
+abort of any of them before a session claimed it. The prompt digest is what the pull's
+must equal.
 Compared in constant time, and every refusal (an id not registered here, a wrong or spent
 capability, a peer the transfer does not name) is the same NOT_FOUND, so a caller learns
 nothing about which transfers exist. A capability is never logged.

@@ -22,7 +22,6 @@ from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
     LeaseExpiredError,
-    PeerNotAllowedError,
     PeerUnavailableError,
     StaleArenaError,
     TransferAbortedError,
@@ -103,17 +102,26 @@ class TransferCoordinator:
     def expect(self, transfer_id: str, pool: str, dst_runs: PageRuns, timeout_s: float,
                lease: LeaseUse = NO_LEASE, peer_identity: str = "") -> Transfer:
         """Register destination pages for ``transfer_id`` (decode side), to be filled by
-        the peer named ``peer_identity`` (empty: by any admitted peer)."""
+        the push that presents the capability minted now (``Transfer.capability``) and,
+        with ``peer_identity``, comes from that peer."""
         return self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
-                              disjoint=True, lease=lease, peer_identity=peer_identity)
+                              disjoint=True, lease=lease, peer_identity=peer_identity,
+                              capability=secrets.token_hex(CAPABILITY_BYTES))
 
     def push(self, transfer_id: str, pool: str, src_runs: PageRuns, peer: str,
-             timeout_s: float, verify: bool, lease: LeaseUse = NO_LEASE) -> Transfer:
-        """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side)."""
+             timeout_s: float, verify: bool, lease: LeaseUse = NO_LEASE,
+             capability: str = "") -> Transfer:
+        """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side),
+        presenting the ``capability`` its expect's answer told."""
         if not peer:
             raise InvalidRangeError("peer is empty; expected the decode daemon's host:port")
+        if not capability:
+            raise InvalidRangeError("capability is empty; a push presents its expect's capability "
+                                    "(the decode daemon's answer to the Expect holds it)")
+        check_text("capability", capability)
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
-                           verify=verify, peer=peer, disjoint=False, lease=lease)
+                           verify=verify, peer=peer, disjoint=False, lease=lease,
+                           capability=capability)
         if not t.state.final:
             self._sender.start(t)
         return t
@@ -228,9 +236,9 @@ class TransferCoordinator:
 
     # -- peer verbs --------------------------------------------------------------------------
 
-    async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
-        """``caller`` asks where a transfer goes (it waits up to ``wait_s`` for the expect)."""
-        return await self._receiver.claim(claim, wait_s or self.registry.default_timeout_s, caller)
+    async def claim(self, claim: Claim, caller: Caller) -> ClaimGrant:
+        """``caller`` asks where a registered transfer goes, presenting its capability."""
+        return await self._receiver.claim(claim, caller)
 
     async def commit(self, commit: Commit, caller: Caller) -> TransferInfo:
         """A verifying sender hands over its checksums; the final status."""
@@ -243,37 +251,25 @@ class TransferCoordinator:
     def abort_from_peer(self, abort: PeerAbort, caller: Caller) -> None:
         """``caller`` ended a transfer; end our side too.
 
-        A claimed transfer may be aborted only through the session that claimed it. An
-        unclaimed offer or pull only by a caller presenting its capability (and, if it names
-        a peer, that peer): anything else, and an id not registered here, is NOT_FOUND with
-        the same message, and nothing is remembered. An unclaimed expect only by the peer
-        it names (any admitted peer if it names none). Anything else is
-        PeerNotAllowedError and changes nothing.
+        A claimed transfer may be aborted only through the session that claimed it; an
+        unclaimed one only by a caller presenting its capability (and, if it names a peer,
+        that peer). Anything else, and an id not registered here, is NOT_FOUND with the
+        same message, changes nothing, and is not remembered.
         """
         t = self.registry.find(abort.transfer_id)
-        reason = abort.reason or "no reason given"
         if t is None:
             raise not_open_to_caller(abort.transfer_id)
-        if t.capability:  # an offer or a pull: whoever may not abort it learns nothing
-            if t.session_id:
-                allowed = abort.session_id == t.session_id and self._sessions.owns(t.session_id, caller)
-            else:
-                allowed = presents(abort.capability, t.capability) and (
-                    not t.peer_identity or caller.is_named(t.peer_identity))
-            if not allowed:
-                raise not_open_to_caller(abort.transfer_id)
-        if t.state.final:
-            return
         if t.session_id:
-            if abort.session_id != t.session_id or not self._sessions.owns(t.session_id, caller):
-                raise PeerNotAllowedError(
-                    f"transfer {t.id!r} belongs to another session; {caller.name} (session "
-                    f"{abort.session_id[:8] or 'none'}) may not abort it")
-        elif t.peer_identity and not caller.is_named(t.peer_identity):
-            raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
-                                      f"{caller.name} may not abort it")
-        self.registry.finish(t, TransferAbortedError(f"aborted by peer {t.peer or caller.name}: "
-                                                     f"{reason}"))
+            allowed = abort.session_id == t.session_id and self._sessions.owns(t.session_id, caller)
+        else:
+            allowed = presents(abort.capability, t.capability) and (
+                not t.peer_identity or caller.is_named(t.peer_identity))
+        if not allowed:
+            raise not_open_to_caller(abort.transfer_id)
+        if not t.state.final:
+            reason = abort.reason or "no reason given"
+            self.registry.finish(t, TransferAbortedError(
+                f"aborted by peer {t.peer or caller.name}: {reason}"))
 
     # -- both sides ------------------------------------------------------------------------------
 

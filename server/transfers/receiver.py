@@ -66,13 +66,14 @@ class Receiver:
         self._copier = ThreadPoolExecutor(max_workers=self._copy_threads,
                                           thread_name_prefix="kvxfer-copy")
 
-    async def claim(self, claim: Claim, wait_s: float, caller: Caller) -> ClaimGrant:
+    async def claim(self, claim: Claim, caller: Caller) -> ClaimGrant:
         """``caller`` asks where ``claim.transfer_id`` goes, in one of its sessions; post the
-        receives and answer. A transfer that names another peer identity is refused."""
+        receives and answer. A claim without the transfer's capability is NOT_FOUND, like an
+        unknown id; a transfer that names another peer identity is refused."""
         session = self._sessions.inbound(claim.session_id, caller)
-        t = await self._registry.rendezvous(claim.transfer_id, wait_s)
-        if t.capability and not presents(claim.capability, t.capability):
-            raise not_open_to_caller(claim.transfer_id)  # a pull: its sender knows the capability
+        t = self._registry.receiving(claim.transfer_id)
+        if not presents(claim.capability, t.capability):
+            raise not_open_to_caller(claim.transfer_id)
         if t.peer_identity and not caller.is_named(t.peer_identity):
             raise PeerNotAllowedError(f"transfer {t.id!r} is reserved for another peer; "
                                       f"{caller.name} may not claim it")

@@ -1,16 +1,14 @@
-"""Every transfer this daemon knows: registration, the rendezvous per id, retention, endings.
+"""Every transfer this daemon knows: registration, lookup for peers, retention, endings.
 
 ``register`` validates a worker's request and records the transfer;
-``rendezvous`` waits for the receiving registration a peer's Claim needs (the
-Expect of a push; a pull is registered before its RequestPush leaves), with
-one waiter list per id, so a registration wakes only the claims that wait for
-it (a RequestPush waits for nothing: an offer not yet here is NOT_FOUND). ``finish`` is the one
+``receiving`` finds the registration a peer's Claim names (an Expect or a Pull,
+both registered before their capability leaves this daemon): nothing waits for a
+registration, an id not here is NOT_FOUND at once. ``finish`` is the one
 place a transfer ends: it releases what the transfer holds (its deadline
 timer, its task, its UCX requests, its lease if it was to end with it), counts
 it and logs it for ``completions``. Finished transfers are kept for ``retain``
 registrations more, so a late ``wait`` or ``transfers`` still sees how they
-ended. At most ``limits.active_transfers`` transfers are unfinished, and at
-most ``limits.pending_claims`` peer calls wait in ``rendezvous`` at once.
+ended. At most ``limits.active_transfers`` transfers are unfinished.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,7 +25,6 @@ from kvxfer.errors import (
     InvalidRangeError,
     KvxferError,
     PeerUnavailableError,
-    TransferDeadlineError,
     TransferExistsError,
     TransferNotFoundError,
 )
@@ -37,6 +34,7 @@ from kvxfer.server.limits import Limits, check_below, check_id, check_seconds
 from kvxfer.server.metrics import DaemonMetrics
 from kvxfer.server.pools import PoolRegistry
 from kvxfer.server.tracing import TransferTracing
+from kvxfer.server.transfers.capability import not_open_to_caller
 from kvxfer.server.transfers.completions import CompletionLog
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import TransferRole
@@ -65,7 +63,6 @@ class TransferRegistry:
         self._limits = limits
         self._unfinished: set[Transfer] = set()
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
-        self._waiters: defaultdict[str, list[asyncio.Future[Transfer]]] = defaultdict(list)
         self.accepting = True
 
     def get(self, transfer_id: str) -> Transfer:
@@ -133,9 +130,6 @@ class TransferRegistry:
         self._metrics.registered(t)
         self.tracing.begin(t)
         self._prune()
-        for waiter in self._waiters.pop(transfer_id, []) if role == TransferRole.RECEIVER else ():
-            if not waiter.done():
-                waiter.set_result(t)
         return t
 
     def _prune(self) -> None:
@@ -154,32 +148,18 @@ class TransferRegistry:
         for key in stale:
             del self._transfers[key]
 
-    async def rendezvous(self, transfer_id: str, timeout_s: float) -> Transfer:
-        """The receiving side of ``transfer_id``, once registered here (within ``timeout_s``).
+    def receiving(self, transfer_id: str) -> Transfer:
+        """The receiving side of ``transfer_id`` registered here, or the NOT_FOUND every
+        caller gets for an id that is not open to it.
 
         A final transfer that already had its partner is history, not a match: its id
         is being reused and the new registration is still to come.
         """
         check_id("transfer_id", transfer_id)
         t = self._transfers.get(transfer_id)
-        if (t is not None and t.role == TransferRole.RECEIVER
-                and not (t.state.final and t.session_id)):
-            return t
-        check_below("max_pending_claims", sum(map(len, self._waiters.values())),
-                    self._limits.pending_claims, "peer claims waiting for an expect here")
-        waiter: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
-        self._waiters[transfer_id].append(waiter)
-        try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except TimeoutError:
-            raise TransferDeadlineError(
-                f"no expect for transfer {transfer_id!r} arrived within {timeout_s:g}s") from None
-        finally:
-            waiters = self._waiters.get(transfer_id)
-            if waiters is not None and waiter in waiters:
-                waiters.remove(waiter)
-                if not waiters:
-                    del self._waiters[transfer_id]
+        if t is None or t.role != TransferRole.RECEIVER or (t.state.final and t.session_id):
+            raise not_open_to_caller(transfer_id)
+        return t
 
     def finish(self, t: Transfer, error: KvxferError | None = None) -> None:
         """End ``t`` (once) and release what it holds; the final state follows ``error``.

@@ -93,7 +93,7 @@ class Sender:
     async def _run(self, t: Transfer, session: OutboundSession) -> None:
         assert session.client is not None and session.connection is not None
         connection = session.connection
-        claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.remaining(), t.verify,
+        claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.verify,
                       self._chunk_bytes, connection.lanes, t.capability)
         tracing = self._registry.tracing
         with tracing.phase(t, "claim"):
