@@ -68,7 +68,7 @@ import torch
 from kvxfer.client import KvxferClient, TransferInfo, hand_off
 from kvxfer.client.bench import random_runs
 from kvxfer.client.spawn import LocalDaemon
-from kvxfer.transport import LOOPBACK_ENV, UCX_DEFAULTS
+from kvxfer.ucx_settings import LOOPBACK_ENV, UCX_DEFAULTS
 
 #: The UCX transport names of a protocol row mapped to what UCX_TLS must allow.
 TLS_OF = {"tcp": "tcp", "cma": "cma,tcp", "posix": "posix,tcp", "sysv": "sysv,tcp", "knem": "knem,tcp"}

@@ -50,7 +50,7 @@ from transfer_bandwidth import daemon_pair, print_result, rounds_parser, ucx_env
 from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
 from kvxfer.server.config import spec_from_dict
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 NIXL_PYTHON = REPO / ".venv-nixl" / "bin" / "python"

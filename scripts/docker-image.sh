@@ -11,7 +11,7 @@ IMAGE=${1:-kvxfer:local}
 BASE=kvxfer-base:bookworm
 PYTHON=${PYTHON:-python3}
 sources=$({ git ls-files -z -co --exclude-standard pyproject.toml README.md kvxfer server client \
-  examples protos docker | xargs -0 sha256sum 2>/dev/null || true; } | sha256sum | cut -c1-16)
+  protos docker | xargs -0 sha256sum 2>/dev/null || true; } | sha256sum | cut -c1-16)
 if [ "$(docker image inspect -f '{{index .Config.Labels "dev.kvxfer.sources"}}' "$IMAGE" 2>/dev/null)" = "$sources" ]; then
   echo "$IMAGE is up to date ($sources)"; exit 0
 fi
@@ -26,7 +26,8 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
   tar -C "$root" -c . | docker import - "$BASE" >/dev/null
 fi
 echo "collecting wheels in docker/wheels"
-"$PYTHON" -m pip download -q -d docker/wheels "torch==2.13.0" "setuptools>=77" wheel . 2>&1 \
+"$PYTHON" -m pip download -q -d docker/wheels "torch==2.13.0" "setuptools>=77" wheel \
+  ".[ucx,certs]" ./client ./server 2>&1 \
   | { grep -v "is ignored: it is neither" || true; }
 started=$(date +%s)
 docker build -q --network host -f docker/Dockerfile -t "$IMAGE" \

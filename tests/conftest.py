@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from kvxfer.certs import DevCa
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 settings.register_profile(
     "kvxfer", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 pytestmark = pytest.mark.slow  # see the README's Tests section
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvxfer.client.bench import random_runs
 from kvxfer.pages import PageRuns
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 ENV = {**os.environ, **LOOPBACK_ENV}
 

@@ -29,7 +29,7 @@ from kvxfer.errors import (
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import PageRuns
 from kvxfer.server.config import PRESETS, spec_from_dict
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 HERE = Path(__file__).resolve().parent
 TINY = "name=kv,preset=tiny"

@@ -32,7 +32,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.sessions import silence_limit_s
 from kvxfer.server.transfers.registry import QUIESCE_S
 from kvxfer.status import TransferInfo, TransferState
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 pytestmark = pytest.mark.slow  # about 3.5 min; see the README's Tests section
 

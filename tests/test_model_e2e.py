@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvxfer.client.examples.disagg import PROMPTS, compare, daemon_config, reference, run_disaggregated
 from kvxfer.client.spawn import LocalDaemon
-from kvxfer.examples.disagg import PROMPTS, compare, daemon_config, reference, run_disaggregated
 
 pytestmark = pytest.mark.slow  # see the README's Tests section
 

@@ -27,7 +27,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.config import load_config
 from kvxfer.server.daemon import Daemon
 from kvxfer.server.tls import PeerTls, check_peer_binding
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import descriptor_to_proto

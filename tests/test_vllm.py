@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvxfer.client.integrations.vllm.deploy import shm_segments
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -4,16 +4,14 @@
 - ``engine``: ``UcxEngine``, one UCX worker driven by one thread;
 - ``batches``: one transfer's sends or receives as the engine tracks them;
 - ``owners``: the endpoints receives are posted through, so that they can be cancelled;
-- ``lanes``: ``UcxLanes``, several engines side by side (the daemon's ``Transport``);
-- ``ucx_settings``: UCX defaults, and the environment that keeps UCX on loopback.
+- ``lanes``: ``UcxLanes``, several engines side by side (the daemon's ``Transport``).
+
+UCX's settings (``kvxfer.ucx_settings``) live outside this package: what imports them
+needs no UCX.
 """
 
 from kvxfer.transport.engine import UcxEngine
 from kvxfer.transport.lanes import LaneConnection, UcxLanes
 from kvxfer.transport.protocol import Batch, Connection, Message, Transport
-from kvxfer.transport.ucx_settings import LOOPBACK_ENV, UCX_DEFAULTS, apply_ucx_defaults
 
-__all__ = [
-    "LOOPBACK_ENV", "UCX_DEFAULTS", "Batch", "Connection", "LaneConnection", "Message",
-    "Transport", "UcxEngine", "UcxLanes", "apply_ucx_defaults",
-]
+__all__ = ["Batch", "Connection", "LaneConnection", "Message", "Transport", "UcxEngine", "UcxLanes"]

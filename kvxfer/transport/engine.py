@@ -51,7 +51,7 @@ from kvxfer.transport.batches import (
 from kvxfer.transport.drain import LateMessages
 from kvxfer.transport.owners import ReceiveOwners
 from kvxfer.transport.protocol import Message
-from kvxfer.transport.ucx_settings import apply_ucx_defaults
+from kvxfer.ucx_settings import apply_ucx_defaults
 
 log = logging.getLogger("kvxfer.transport")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvxfer.client import logs
@@ -17,6 +19,22 @@ from kvxfer.errors import KvxferError
 
 DEFAULT_ADDRESS = "unix:///run/kvxfer/kvxfer.sock"
 console = Console()
+#: What ``kvxfer serve`` and ``kvxfer certs`` say in an install without them (the worker's).
+DAEMON_MISSING = ("kvxfer {command} needs the daemon install, which this one is not (the "
+                  "worker install holds the client library, the connector and this command): "
+                  "pip install 'kvxfer[daemon]'")
+
+
+def has_daemon() -> bool:
+    """Whether this install has the daemon (``kvxfer-server``), hence ``kvxfer serve``."""
+    return importlib.util.find_spec("kvxfer.server") is not None
+
+
+def cmd_missing(args: argparse.Namespace) -> int:
+    """A command of the daemon install, called in another: say what to install."""
+    console.print(f"[red]error:[/] {escape(DAEMON_MISSING.format(command=args.command))}",
+                  soft_wrap=True)
+    return 2
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -145,6 +163,8 @@ def cmd_vllm(args: argparse.Namespace) -> int:
 def cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    if importlib.util.find_spec("cryptography") is None:
+        return cmd_missing(args)
     from kvxfer.certs import LOOPBACK_HOSTS, issue_certs
 
     hosts = tuple(args.host) or LOOPBACK_HOSTS
@@ -173,6 +193,32 @@ EXAMPLES = {
 }
 
 
+SERVE_HELP = ("Run a kvxfer daemon that owns KV pools and serves them over gRPC. Every "
+              "setting below is also a key of the --config file and an environment "
+              "variable KVXFER_<KEY> (flag > environment > file > default).")
+
+
+def add_serve_flags(s: argparse.ArgumentParser) -> None:
+    """``kvxfer serve``'s flags: the daemon's settings (the daemon install's)."""
+    s.add_argument("--config", help="YAML config file (settings, pools, arenas)")
+    s.add_argument("--pool", action="append", default=[], metavar="SPEC",
+                   help="a pool: NAME=PRESET (llama8b, llama8b-ps1, tiny, mla-small, mamba-small) "
+                        "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable; served "
+                        "after the config file's pools)")
+    s.add_argument("--ready-file", help="write a JSON line with the bound addresses and ports "
+                                        "once serving (it appears whole: polling for it is safe)")
+    s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
+    s.add_argument("--log-format", choices=logs.FORMATS,
+                   default=os.environ.get("KVXFER_LOG_FORMAT", "text"),
+                   help="text lines, or JSON lines with transfer_id and trace_id on every line "
+                        "about a transfer (default: $KVXFER_LOG_FORMAT, else text)")
+    from pydantic_settings import CliSettingsSource
+
+    from kvxfer.server.config import DaemonConfig
+
+    s.set_defaults(settings=CliSettingsSource(DaemonConfig, root_parser=s))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(
@@ -195,26 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
-    s = add("serve", "Run a kvxfer daemon that owns KV pools and serves them over gRPC. Every "
-                     "setting below is also a key of the --config file and an environment "
-                     "variable KVXFER_<KEY> (flag > environment > file > default).", cmd_serve)
-    s.add_argument("--config", help="YAML config file (settings, pools, arenas)")
-    s.add_argument("--pool", action="append", default=[], metavar="SPEC",
-                   help="a pool: NAME=PRESET (llama8b, llama8b-ps1, tiny, mla-small, mamba-small) "
-                        "or name=N,kind=mha,layer_num=..,head_num=..,... (repeatable; served "
-                        "after the config file's pools)")
-    s.add_argument("--ready-file", help="write a JSON line with the bound addresses and ports "
-                                        "once serving (it appears whole: polling for it is safe)")
-    s.add_argument("--log-level", default="info", help="debug, info, warning (default info)")
-    s.add_argument("--log-format", choices=logs.FORMATS,
-                   default=os.environ.get("KVXFER_LOG_FORMAT", "text"),
-                   help="text lines, or JSON lines with transfer_id and trace_id on every line "
-                        "about a transfer (default: $KVXFER_LOG_FORMAT, else text)")
-    from pydantic_settings import CliSettingsSource
-
-    from kvxfer.server.config import DaemonConfig
-
-    s.set_defaults(settings=CliSettingsSource(DaemonConfig, root_parser=s))
+    if has_daemon():
+        add_serve_flags(add("serve", SERVE_HELP, cmd_serve))
+    else:  # every argument, --help included, gets the refusal
+        sub.add_parser("serve", help=SERVE_HELP, add_help=False).set_defaults(func=cmd_missing)
 
     pools = add("pools", "List the pools a daemon serves, with their free and leased pages.",
                 cmd_pools)
@@ -259,13 +289,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``kvxfer`` command line."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.func is not cmd_missing:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logs.configure(getattr(args, "log_level", "warning"), getattr(args, "log_format", "text"))
     command: Callable[[argparse.Namespace], int] = args.func
     try:
         return command(args)
     except KvxferError as exc:
-        console.print(f"[red]error:[/] {type(exc).__name__}: {exc}", soft_wrap=True)
+        console.print(f"[red]error:[/] {type(exc).__name__}: {escape(str(exc))}", soft_wrap=True)
         return 2
 
 

@@ -42,7 +42,7 @@ def add_demo_flags(p: argparse.ArgumentParser) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; exit 0 only if every byte arrived where it should."""
     if args.model:
-        from kvxfer.examples.disagg import run_model_demo
+        from kvxfer.client.examples.disagg import run_model_demo
 
         return run_model_demo(args.model, seed=args.seed)
     rng = random.Random(args.seed)

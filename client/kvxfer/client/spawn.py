@@ -16,15 +16,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvxfer.certs import issue_certs
 from kvxfer.memory import remove_stale_arenas
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 
 @contextmanager
 def dev_certs(*names: str) -> Iterator[Path]:
     """A temporary directory with a new CA and a certificate per name (``tls`` of local
     daemons that talk over mutual TLS); removed on exit."""
+    from kvxfer.certs import issue_certs  # the daemon install's (cryptography)
+
     with tempfile.TemporaryDirectory(prefix="kvxfer-tls-") as out:
         issue_certs(Path(out), list(names))
         yield Path(out)

@@ -12,7 +12,6 @@ import logging
 from typing import Literal
 
 from opentelemetry import trace
-from pythonjsonlogger.json import JsonFormatter
 
 LogFormat = Literal["text", "json"]
 FORMATS: tuple[LogFormat, ...] = ("text", "json")
@@ -33,7 +32,9 @@ class _CurrentTrace(logging.Filter):
 def configure(level: str, log_format: LogFormat = "text") -> None:
     """Log to stderr at ``level`` in ``log_format``."""
     handler = logging.StreamHandler()
-    if log_format == "json":
+    if log_format == "json":  # the daemon's (kvxfer serve): python-json-logger comes with it
+        from pythonjsonlogger.json import JsonFormatter
+
         handler.setFormatter(JsonFormatter(
             "%(asctime)s %(levelname)s %(name)s %(message)s",
             rename_fields={"asctime": "time", "levelname": "level", "name": "logger"}))

@@ -1,6 +1,6 @@
 """Disaggregated prefill -> decode with real model compute, through two kvxfer daemons.
 
-    python -m kvxfer.examples.disagg --flavour hybrid      # or: kvxfer demo --model hybrid
+    python -m kvxfer.client.examples.disagg --flavour hybrid      # or: kvxfer demo --model hybrid
 
 The orchestrator starts a prefill and a decode daemon on loopback, then two
 worker *processes*:
@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
-from kvxfer.examples.model import ModelConfig, RequestCache, TinyModel
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.client.examples.model import ModelConfig, RequestCache, TinyModel
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 PROMPTS = [[5, 17, 3, 88, 41, 9, 23], [60, 2, 2, 71, 13, 30, 44, 8, 19, 1, 77, 52, 6],
            [11, 90], [33, 4, 58, 21, 67, 12, 45, 3, 8, 95, 16, 28, 39, 71, 2, 50, 61, 14, 7]]
@@ -198,6 +197,7 @@ def reference(flavour: str, prompts: list[list[int]], new_tokens: int) -> dict[s
 
 def daemon_config(flavour: str, path: Path) -> Path:
     """A ``kvxfer serve`` config with the model's pools in one arena."""
+    import yaml  # the daemon install's, like the daemons this example starts
     pools = ModelConfig(flavour=flavour).pools()
     path.write_text(yaml.safe_dump({"arenas": [{"name": "model", "pools": pools}]}))
     return path
@@ -223,7 +223,7 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
     pre, dec = daemons
     requests: list[dict[str, Any]] = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
     env = {**os.environ, **LOOPBACK_ENV}
-    me = [sys.executable, "-m", "kvxfer.examples.disagg"]
+    me = [sys.executable, "-m", "kvxfer.client.examples.disagg"]
     prefill = subprocess.Popen(
         [*me, "prefill-worker", "--flavour", flavour, "--address", pre.worker_address,
          "--requests", json.dumps(requests),
@@ -293,7 +293,7 @@ def run_model_demo(flavour: str, seed: int = 0, new_tokens: int = 8) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvxfer.examples.disagg", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m kvxfer.client.examples.disagg", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     for name in ("prefill-worker", "decode-worker"):

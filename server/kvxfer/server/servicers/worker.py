@@ -7,7 +7,6 @@ from typing import Any
 
 import grpc
 
-import kvxfer
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.server.transfers.coordinator import LeaseUse, TransferCoordinator
@@ -15,6 +14,7 @@ from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import LeaseInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
+from kvxfer.version import __version__
 from kvxfer.wire.codec import (
     descriptor_to_proto,
     extents_to_proto,
@@ -57,7 +57,7 @@ class WorkerService(pb_grpc.KvxferServicer):
         return info_to_proto(t.info())
 
     async def Info(self, request: pb.DaemonInfoRequest, context: Context) -> pb.DaemonInfo:
-        return pb.DaemonInfo(version=kvxfer.__version__, peer_address=self._transfers.peer_address,
+        return pb.DaemonInfo(version=__version__, peer_address=self._transfers.peer_address,
                              epoch=self._pools.epoch)
 
     async def ListPools(self, request: pb.ListPoolsRequest, context: Context) -> pb.ListPoolsResponse:

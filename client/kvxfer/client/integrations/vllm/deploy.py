@@ -27,7 +27,7 @@ import httpx
 
 from kvxfer.client.integrations.vllm.layout import model_dtype, model_pool_flag
 from kvxfer.client.spawn import LocalDaemon, dev_certs
-from kvxfer.transport import LOOPBACK_ENV
+from kvxfer.ucx_settings import LOOPBACK_ENV
 
 #: What keeps an engine small on a 2-core machine: the engine core's own process only,
 #: 1 GiB of KV cache, one OpenMP thread, and nothing fetched from the network.

@@ -24,8 +24,8 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2
 
+from kvxfer.client.health_probe import health_check
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.health_probe import health_check
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
