@@ -48,8 +48,8 @@ from typing import Any
 from transfer_bandwidth import daemon_pair, print_result, rounds_parser, ucx_env
 
 from kvxfer.client.bench import random_runs
+from kvxfer.layout.kinds import spec_from_mapping
 from kvxfer.pages import PageRuns
-from kvxfer.server.config import spec_from_dict
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ CHUNK_BYTES = 4 << 20
 
 
 def page_bytes(preset: str) -> int:
-    return int(spec_from_dict({"preset": preset}).page_bytes)
+    return int(spec_from_mapping({"preset": preset}).page_bytes)
 
 
 def segments(src: PageRuns, dst: PageRuns, size: int) -> list[list[int]]:
@@ -112,7 +112,7 @@ class NixlPair:
 
     def __init__(self, preset: str, memory: str, eh: str, env: dict[str, str]) -> None:
         self.size = page_bytes(preset)
-        self.num_pages = int(spec_from_dict({"preset": preset}).num_pages)
+        self.num_pages = int(spec_from_mapping({"preset": preset}).num_pages)
         total = self.size * self.num_pages
         self.initiator = _Agent("initiator", total, memory, eh, env)
         self.target = _Agent("target", total, memory, eh, env)

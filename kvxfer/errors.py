@@ -32,16 +32,23 @@ class InvalidSpecError(KvxferError, ValueError, code="INVALID_ARGUMENT", reason=
     """A pool spec, layout, descriptor or setting is malformed (bad size, dtype, alignment)."""
 
 
-class InvalidRangeError(KvxferError, ValueError, code="INVALID_ARGUMENT", reason="INVALID_RANGE"):
-    """Page ranges or transfer arguments are malformed: empty, negative, overlapping, unequal."""
+class InvalidArgumentError(KvxferError, ValueError, code="INVALID_ARGUMENT", reason="INVALID_ARGUMENT"):
+    """A request's argument is malformed: a page range (empty, negative, overlapping,
+    unequal), an id, a deadline, a peer address or a capability left empty or too long."""
 
 
-class PageOutOfRangeError(InvalidRangeError, code="OUT_OF_RANGE", reason="PAGE_OUT_OF_RANGE"):
+class PageOutOfRangeError(InvalidArgumentError, code="OUT_OF_RANGE", reason="PAGE_OUT_OF_RANGE"):
     """A page range reaches outside the pool it names."""
 
 
 class IncompatibleLayoutError(KvxferError, code="FAILED_PRECONDITION", reason="INCOMPATIBLE_LAYOUT"):
-    """Two pools or daemons cannot exchange pages: their layouts differ (the message names how)."""
+    """Two pools (or a pool and an engine's KV cache) lay out their pages differently, so
+    pages cannot move between them byte for byte (the message names the field)."""
+
+
+class IncompatiblePeerError(KvxferError, code="FAILED_PRECONDITION", reason="INCOMPATIBLE_PEER"):
+    """A peer daemon cannot carry this transfer in its session: it runs UCX with another
+    error-handling mode, or names a pool its handshake did not describe."""
 
 
 class AttachError(KvxferError, code="FAILED_PRECONDITION", reason="ATTACH_FAILED"):
@@ -122,8 +129,8 @@ class LimitExceededError(KvxferError, code="RESOURCE_EXHAUSTED", reason="LIMIT_E
 ERROR_TYPES: dict[str, type[KvxferError]] = {
     cls.reason: cls
     for cls in (
-        InternalError, InvalidSpecError, InvalidRangeError, PageOutOfRangeError,
-        IncompatibleLayoutError, AttachError, StaleArenaError, PromptMismatchError,
+        InternalError, InvalidSpecError, InvalidArgumentError, PageOutOfRangeError,
+        IncompatibleLayoutError, IncompatiblePeerError, AttachError, StaleArenaError, PromptMismatchError,
         ProtocolVersionError, DialNotAllowedError, PoolNotFoundError, TransferNotFoundError,
         TransferExistsError, PeerUnavailableError, TransferDeadlineError, TransferAbortedError,
         IntegrityError, PoolExhaustedError, LeaseNotFoundError, LeaseExpiredError,

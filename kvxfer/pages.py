@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvxfer.errors import InvalidRangeError, PageOutOfRangeError
+from kvxfer.errors import InvalidArgumentError, PageOutOfRangeError
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class PageRun:
         for name in ("start", "count"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidRangeError(f"page run {name}={value!r} must be an integer")
+                raise InvalidArgumentError(f"page run {name}={value!r} must be an integer")
         if self.start < 0:
-            raise InvalidRangeError(f"page run start={self.start} must be >= 0")
+            raise InvalidArgumentError(f"page run start={self.start} must be >= 0")
         if self.count < 1:
-            raise InvalidRangeError(f"page run count={self.count} must be >= 1")
+            raise InvalidArgumentError(f"page run count={self.count} must be >= 1")
 
     @property
     def stop(self) -> int:
@@ -54,11 +54,11 @@ class PageRuns:
 
     def __post_init__(self) -> None:
         if not self.runs:
-            raise InvalidRangeError("page ranges are empty; expected at least one (start, count)")
+            raise InvalidArgumentError("page ranges are empty; expected at least one (start, count)")
         merged: list[PageRun] = []
         for run in self.runs:
             if not isinstance(run, PageRun):
-                raise InvalidRangeError(f"expected a PageRun, got {run!r}")
+                raise InvalidArgumentError(f"expected a PageRun, got {run!r}")
             if merged and merged[-1].stop == run.start:
                 merged[-1] = PageRun(merged[-1].start, merged[-1].count + run.count)
             else:
@@ -107,11 +107,11 @@ class PageRuns:
         return None
 
     def check_disjoint(self, *, what: str = "destination pages") -> None:
-        """Raise InvalidRangeError if any page appears twice (it would be written twice)."""
+        """Raise InvalidArgumentError if any page appears twice (it would be written twice)."""
         overlap = self.first_overlap()
         if overlap is not None:
             a, b = overlap
-            raise InvalidRangeError(
+            raise InvalidArgumentError(
                 f"{what} overlap: run (start={a.start}, count={a.count}) and run "
                 f"(start={b.start}, count={b.count}) share page {b.start}; expected disjoint runs"
             )
@@ -141,15 +141,15 @@ def map_extents(
 
     Offsets are absolute in each side's raw buffer (pool anchor included). An
     extent breaks only where a run ends on either side, so no two consecutive
-    extents could be merged. Raises InvalidRangeError if the sequences differ in length.
+    extents could be merged. Raises InvalidArgumentError if the sequences differ in length.
     """
     if src.num_pages != dst.num_pages:
-        raise InvalidRangeError(
+        raise InvalidArgumentError(
             f"source has {src.num_pages} pages but destination has {dst.num_pages}; "
             "expected equal page counts"
         )
     if page_bytes <= 0:
-        raise InvalidRangeError(f"page_bytes={page_bytes} must be positive")
+        raise InvalidArgumentError(f"page_bytes={page_bytes} must be positive")
     extents: list[Extent] = []
     # Plain (start, count) tuples and locals: this loop is on every transfer's critical path.
     src_runs = [(r.start, r.count) for r in src.runs]
@@ -176,7 +176,7 @@ def map_extents(
 def split_extents(extents: Iterable[Extent], max_bytes: int) -> tuple[Extent, ...]:
     """Cut every extent into pieces of at most ``max_bytes`` (for bounded in-flight messages)."""
     if max_bytes <= 0:
-        raise InvalidRangeError(f"max_bytes={max_bytes} must be positive")
+        raise InvalidArgumentError(f"max_bytes={max_bytes} must be positive")
     pieces = []
     for extent in extents:
         if extent.nbytes <= max_bytes:

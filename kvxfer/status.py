@@ -94,6 +94,17 @@ class TransferInfo:
 
 
 @dataclass(frozen=True)
+class LeaseUse:
+    """What a transfer verb says about its pages: the lease they belong to, if any (with
+    ``release_lease``, it ends with the transfer), and the memory epoch of the mapping the
+    caller used them through ("": not checked)."""
+
+    lease_id: str = ""
+    release_lease: bool = False
+    arena_epoch: str = ""
+
+
+@dataclass(frozen=True)
 class LeaseInfo:
     """Pages a daemon leased to a holder: which, and for how much longer."""
 

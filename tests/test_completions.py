@@ -10,7 +10,7 @@ import pytest
 from fake_transport import FakeNetwork
 from inprocess import run, side
 
-from kvxfer.errors import InvalidRangeError, TransferAbortedError
+from kvxfer.errors import InvalidArgumentError, TransferAbortedError
 from kvxfer.pages import PageRuns
 
 RUNS = PageRuns.of([(0, 1)])
@@ -54,7 +54,7 @@ def test_a_completions_call_waits_for_the_next_ending_and_no_longer(tmp_path: Pa
             start = time.monotonic()
             ended, cursor, _ = await verbs.completions(cursor, 5)
             assert [i.transfer_id for i in ended] == ["soon"] and time.monotonic() - start < 2
-            with pytest.raises(InvalidRangeError, match="timeout_s=61"):
+            with pytest.raises(InvalidArgumentError, match="timeout_s=61"):
                 await verbs.completions(cursor, 61)
     run(body)
 

@@ -21,14 +21,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvxfer.client import KvxferClient
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import (
-    InvalidRangeError,
+    InvalidArgumentError,
     PageOutOfRangeError,
     PoolNotFoundError,
     TransferExistsError,
 )
 from kvxfer.layout import PoolLayout
+from kvxfer.layout.kinds import PRESETS, spec_from_mapping
 from kvxfer.pages import PageRuns
-from kvxfer.server.config import PRESETS, spec_from_dict
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
 HERE = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ def test_health_watch_streams_through_the_interceptors(spawn) -> None:
 
 def test_descriptor_over_grpc_rebuilds_identical_views(spawn) -> None:
     d = spawn("a", [TINY])
-    expected = PoolDescriptor("kv", PoolLayout(spec_from_dict(PRESETS["tiny"])))
+    expected = PoolDescriptor("kv", PoolLayout(spec_from_mapping(PRESETS["tiny"])))
     with KvxferClient(d.worker_address) as kv:
         desc, memory = kv.describe("kv")
         assert desc == expected
@@ -203,7 +203,7 @@ def test_bad_requests_get_clear_codes_and_the_daemon_keeps_serving(spawn) -> Non
             kv.describe("nope")
         with pytest.raises(PageOutOfRangeError, match="pages 0..63"):
             kv.describe_pages("kv", PageRuns.of([(60, 8)]))
-        with pytest.raises(InvalidRangeError, match="overlap"):
+        with pytest.raises(InvalidArgumentError, match="overlap"):
             kv.expect("t1", "kv", PageRuns.of([(0, 4), (2, 1)]))
         kv.expect("t2", "kv", PageRuns.of([(0, 1)]), timeout_s=30)
         with pytest.raises(TransferExistsError, match="already WAITING"):

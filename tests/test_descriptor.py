@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 from hypothesis import given
@@ -9,7 +11,8 @@ from strategies import any_spec, mha_specs
 
 from kvxfer.descriptor import PoolDescriptor, check_compatible
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
-from kvxfer.layout import MhaSpec, MlaSpec, PoolLayout, PoolViews
+from kvxfer.layout import MhaSpec, MlaSpec, PoolKind, PoolLayout, PoolViews
+from kvxfer.layout.kinds import PRESETS, SPEC_CLASSES, spec_from_mapping
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto
 
@@ -86,3 +89,16 @@ def test_different_kinds_are_incompatible() -> None:
     mla = PoolDescriptor("b", PoolLayout(MlaSpec(2, 16, 0, "bfloat16", 4, 3)))
     with pytest.raises(IncompatibleLayoutError, match="kinds differ"):
         check_compatible(mha, mla)
+
+
+def test_every_kind_is_one_registry_entry_with_a_proto_message_of_its_fields() -> None:
+    """The registry, PoolKind and the proto's PoolSpec name the same kinds, and each kind's
+    message has exactly its spec's fields (what the generic codec relies on)."""
+    oneof = pb.PoolSpec.DESCRIPTOR.oneofs_by_name["kind"]
+    assert set(SPEC_CLASSES) == {k.value for k in PoolKind} == {f.name for f in oneof.fields}
+    for name, cls in SPEC_CLASSES.items():
+        message = pb.PoolSpec.DESCRIPTOR.fields_by_name[name].message_type
+        assert message.name == cls.__name__
+        assert [f.name for f in message.fields] == [f.name for f in fields(cls)], name
+        preset = next(p for p in PRESETS.values() if p["kind"] == name)
+        assert type(spec_from_mapping(preset)) is cls

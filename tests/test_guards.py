@@ -36,8 +36,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.dial_policy import DialPolicy
 from kvxfer.server.peer_protocol import PeerAbort, hello_from_request
 from kvxfer.server.tls import Caller
-from kvxfer.server.transfers.coordinator import LeaseUse
-from kvxfer.status import TransferInfo, TransferState
+from kvxfer.status import LeaseUse, TransferInfo, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 

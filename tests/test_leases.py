@@ -14,14 +14,14 @@ from pool_checks import assert_moved, fill_random
 
 from kvxfer.client import KvxferClient
 from kvxfer.errors import (
-    InvalidRangeError,
+    InvalidArgumentError,
     LeaseExpiredError,
     LeaseNotFoundError,
     PoolExhaustedError,
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import FreePages
-from kvxfer.server.transfers.coordinator import LeaseUse
+from kvxfer.status import LeaseUse
 
 TINY = "name=kv,preset=tiny"  # 64 pages
 
@@ -70,14 +70,14 @@ def test_leases_are_disjoint_and_refused_clearly_when_the_pool_is_full(spawn) ->
         assert kv.leased_pages() == {"kv": 60}
         with pytest.raises(PoolExhaustedError, match="pool 'kv' has 4 free pages, 5 were asked for"):
             kv.allocate("kv", 5)
-        with pytest.raises(InvalidRangeError, match="pages=0; pool 'kv' has 64"):
+        with pytest.raises(InvalidArgumentError, match="pages=0; pool 'kv' has 64"):
             kv.allocate("kv", 0)
         kv.release(leases[1].lease_id)
         with pytest.raises(LeaseNotFoundError, match="no lease"):
             kv.release(leases[1].lease_id)
         assert kv.leased_pages() == {"kv": 40}
         assert {x.holder for x in kv.leases()} == {"engine-0", "engine-2"}
-        with pytest.raises(InvalidRangeError, match="are not all pages of lease"):
+        with pytest.raises(InvalidArgumentError, match="are not all pages of lease"):
             kv.expect("outside", "kv", PageRuns.of([(0, 64)]), lease_id=leases[0].lease_id)
 
 

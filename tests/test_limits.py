@@ -11,7 +11,7 @@ from peer_calls import PeerAs, refused
 
 from kvxfer.certs import issue_certs
 from kvxfer.client import KvxferClient
-from kvxfer.errors import InvalidRangeError, LimitExceededError
+from kvxfer.errors import InvalidArgumentError, LimitExceededError
 from kvxfer.pages import PageRuns
 from kvxfer.server.limits import MAX_ID_CHARS
 from kvxfer.wire.codec import descriptor_to_proto
@@ -44,11 +44,11 @@ def test_every_limit_is_refused_by_name_and_changes_nothing(spawn, tmp_path: Pat
             d.expect("t3", "kv", PageRuns.of([(3, 1)]), timeout_s=60)  # room again
 
             # Per request: id length, deadline, pages per transfer, message size.
-            with pytest.raises(InvalidRangeError, match=f"the limit is {MAX_ID_CHARS}"):
+            with pytest.raises(InvalidArgumentError, match=f"the limit is {MAX_ID_CHARS}"):
                 d.expect("x" * (MAX_ID_CHARS + 1), "kv", PageRuns.of([(9, 1)]))
-            with pytest.raises(InvalidRangeError, match="expected 0 to 3600 seconds"):
+            with pytest.raises(InvalidArgumentError, match="expected 0 to 3600 seconds"):
                 d.expect("nan", "kv", PageRuns.of([(9, 1)]), timeout_s=float("nan"))
-            with pytest.raises(InvalidRangeError, match="at most the 64 pages"):
+            with pytest.raises(InvalidArgumentError, match="at most the 64 pages"):
                 d.offer("twice", "kv", PageRuns.of([(0, 64), (0, 64)]))
             with pytest.raises(LimitExceededError, match=r"larger than max \(\d+ vs. 65536\)"):
                 d.expect("y" * 70_000, "kv", PageRuns.of([(9, 1)]))

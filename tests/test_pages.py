@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import disjoint_runs_pairs, page_runs_pairs
 
-from kvxfer.errors import InvalidRangeError, PageOutOfRangeError
+from kvxfer.errors import InvalidArgumentError, PageOutOfRangeError
 from kvxfer.pages import Extent, PageRun, PageRuns, map_extents, split_extents
 
 
@@ -22,7 +22,7 @@ def test_runs_keep_their_order() -> None:
 
 @pytest.mark.parametrize("pairs", [[], [(0, 0)], [(-1, 2)], [(1, -3)]])
 def test_malformed_runs_are_refused(pairs) -> None:
-    with pytest.raises(InvalidRangeError):
+    with pytest.raises(InvalidArgumentError):
         PageRuns.of(pairs)
 
 
@@ -32,12 +32,12 @@ def test_out_of_bounds_names_the_run_and_the_pool_size() -> None:
 
 
 def test_overlapping_destination_is_refused() -> None:
-    with pytest.raises(InvalidRangeError, match="overlap"):
+    with pytest.raises(InvalidArgumentError, match="overlap"):
         PageRuns.of([(0, 4), (9, 1), (3, 2)]).check_disjoint()
 
 
 def test_unequal_lengths_are_refused() -> None:
-    with pytest.raises(InvalidRangeError, match="3 pages but destination has 2"):
+    with pytest.raises(InvalidArgumentError, match="3 pages but destination has 2"):
         map_extents(PageRuns.of([(0, 3)]), PageRuns.of([(5, 2)]), page_bytes=8)
 
 
@@ -100,5 +100,5 @@ def test_split_extents_caps_size_and_keeps_bytes(sizes, limit) -> None:
 
 
 def test_page_run_fields_must_be_integers() -> None:
-    with pytest.raises(InvalidRangeError, match="start"):
+    with pytest.raises(InvalidArgumentError, match="start"):
         PageRun("3", 1)  # type: ignore[arg-type]

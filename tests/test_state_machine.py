@@ -22,7 +22,7 @@ from inprocess import Side, run, side, until
 from kvxfer.errors import (
     IncompatibleLayoutError,
     IntegrityError,
-    InvalidRangeError,
+    InvalidArgumentError,
     PeerUnavailableError,
     TransferAbortedError,
     TransferDeadlineError,
@@ -260,7 +260,7 @@ def test_naming_a_peer_identity_needs_mutual_tls(tmp_path: Path) -> None:
     filled: it is refused at registration instead of timing out."""
     async def body() -> None:
         async with side(tmp_path, "decode", FakeNetwork()) as receiver:
-            with pytest.raises(InvalidRangeError, match="has no mutual TLS"):
+            with pytest.raises(InvalidArgumentError, match="has no mutual TLS"):
                 receiver.transfers.expect("ok", "kv", DST, 10, peer_identity="prefill")
             assert receiver.transfers.all() == []
     run(body)

@@ -20,7 +20,7 @@ from pool_checks import assert_moved, fill_random, standard_runs
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.bench import random_runs
-from kvxfer.errors import InvalidRangeError, TransferNotFoundError
+from kvxfer.errors import InvalidArgumentError, TransferNotFoundError
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -81,7 +81,7 @@ def test_a_push_presents_the_expects_capability(pair) -> None:
     pre, dec, p, d, src, dst = pair
     src_runs, dst_runs = PageRuns.of([(3, 5)]), PageRuns.of([(100, 2), (7, 3)])
     before = dst.raw.clone()
-    with pytest.raises(InvalidRangeError, match="capability is empty"):
+    with pytest.raises(InvalidArgumentError, match="capability is empty"):
         p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30)
     early = p.push("late-expect", "kv", src_runs, peer=dec.peer_address, timeout_s=30,
                    capability="0" * 32, wait=True)
@@ -161,7 +161,7 @@ def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused:
     out of range), the refusal is raised and the other side is never registered (a refused
     expect) or aborted at once, not left to its deadline (a refused push)."""
     from kvxfer.client.handoff import hand_off
-    from kvxfer.errors import InvalidRangeError
+    from kvxfer.errors import InvalidArgumentError
 
     pre, dec, p, d, src, dst = pair
     tid = f"refused-{refused}"
@@ -169,7 +169,7 @@ def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused:
     good = PageRuns.of([(0, 1)])
     before = dst.raw.clone()
     start = time.monotonic()
-    with pytest.raises(InvalidRangeError, match="10000"):
+    with pytest.raises(InvalidArgumentError, match="10000"):
         hand_off(p, d, tid, pool="kv", src=bad if refused == "push" else good,
                  dst=bad if refused == "expect" else good, decode_peer=dec.peer_address,
                  timeout_s=30)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvxfer.errors import InvalidRangeError
+from kvxfer.errors import InvalidArgumentError
 from kvxfer.transport.engine import UcxEngine
 from kvxfer.transport.lanes import UcxLanes
 
@@ -119,7 +119,7 @@ def test_lanes_deal_one_transfer_over_both_sides_lanes() -> None:
 def test_a_receive_over_more_lanes_than_this_side_has_is_refused() -> None:
     receiver = UcxLanes(1)
     try:
-        with pytest.raises(InvalidRangeError, match="over 2 lanes; this daemon has 1"):
+        with pytest.raises(InvalidArgumentError, match="over 2 lanes; this daemon has 1"):
             receiver.receive([(np.zeros(16, dtype=np.uint8), 1)], 2)
         assert receiver.posted_requests() == 0
     finally:

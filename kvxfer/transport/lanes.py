@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvxfer.errors import InvalidRangeError, PeerUnavailableError
+from kvxfer.errors import InvalidArgumentError, PeerUnavailableError
 from kvxfer.transport.batches import EndpointId, MessageBatch
 from kvxfer.transport.engine import UcxEngine
 from kvxfer.transport.protocol import Batch, Connection, Message
@@ -84,7 +84,7 @@ class UcxLanes:
     def __init__(self, lanes: int = 1, *, host: str = "127.0.0.1", port: int = 0,
                  error_handling: bool = True) -> None:
         if lanes < 1:
-            raise InvalidRangeError(f"lanes={lanes}; expected at least 1")
+            raise InvalidArgumentError(f"lanes={lanes}; expected at least 1")
         self.engines: list[UcxEngine] = []
         try:
             for i in range(lanes):
@@ -126,7 +126,7 @@ class UcxLanes:
         in all, split evenly between the lanes."""
         assert isinstance(connection, LaneConnection)
         if not 1 <= lanes <= connection.lanes:
-            raise InvalidRangeError(f"cannot send over {lanes} lanes; the connection has "
+            raise InvalidArgumentError(f"cannot send over {lanes} lanes; the connection has "
                                     f"{connection.lanes}")
         window = max(1, window_bytes // lanes)
         return LaneBatch([self.engines[i].send(connection.endpoints[i], messages[i::lanes], window)
@@ -136,7 +136,7 @@ class UcxLanes:
         """Post a receive for message ``k`` on lane ``k % lanes``, as a sender over ``lanes``
         lanes sends it."""
         if not 1 <= lanes <= len(self.engines):
-            raise InvalidRangeError(
+            raise InvalidArgumentError(
                 f"the sender spreads this transfer over {lanes} lanes; this daemon has "
                 f"{len(self.engines)} (expected 1 to {len(self.engines)})")
         return LaneBatch([self.engines[i].receive(messages[i::lanes]) for i in range(lanes)])

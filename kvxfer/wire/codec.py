@@ -10,13 +10,16 @@ whose carried views differ from the ones its spec derives is refused
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import fields
+from typing import Any
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import InvalidSpecError
-from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolLayout, PoolSpec, ViewRole, ViewSpec
+from kvxfer.layout import PoolLayout, PoolSpec, ViewRole, ViewSpec
+from kvxfer.layout.kinds import SPEC_CLASSES, as_shape, shape_depths, spec_class
 from kvxfer.memory import CudaIpcHandle, MemoryHandle, SharedMemoryHandle
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.status import LeaseInfo, TransferInfo, TransferRole, TransferState
+from kvxfer.status import LeaseInfo, LeaseUse, TransferInfo, TransferRole, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.status import from_status, to_status
 
@@ -82,49 +85,31 @@ def descriptor_from_proto(msg: pb.PoolDescriptor) -> PoolDescriptor:
 
 
 def _spec_to_proto(spec: PoolSpec) -> pb.PoolSpec:
-    if isinstance(spec, MhaSpec):
-        return pb.PoolSpec(mha=pb.MhaSpec(
-            layer_num=spec.layer_num, head_num=spec.head_num, head_dim=spec.head_dim,
-            v_head_dim=spec.v_head_dim, dtype=spec.dtype, page_size=spec.page_size,
-            num_pages=spec.num_pages,
-        ))
-    if isinstance(spec, MlaSpec):
-        return pb.PoolSpec(mla=pb.MlaSpec(
-            layer_num=spec.layer_num, kv_lora_rank=spec.kv_lora_rank,
-            qk_rope_head_dim=spec.qk_rope_head_dim, dtype=spec.dtype, page_size=spec.page_size,
-            num_pages=spec.num_pages,
-        ))
-    return pb.PoolSpec(mamba=pb.MambaSpec(
-        layer_num=spec.layer_num,
-        conv_state_shapes=[pb.Shape(dims=s) for s in spec.conv_state_shapes],
-        conv_dtype=spec.conv_dtype,
-        temporal_state_shape=pb.Shape(dims=spec.temporal_state_shape),
-        temporal_dtype=spec.temporal_dtype,
-        num_slots=spec.num_slots,
-    ))
+    """Any kind's spec as its message (same name, same fields; shapes as ``Shape``)."""
+    depths = shape_depths(type(spec))
+    values = {f.name: _shape_to_proto(getattr(spec, f.name), depths[f.name]) if f.name in depths
+              else getattr(spec, f.name) for f in fields(spec)}
+    return pb.PoolSpec(**{spec.kind.value: getattr(pb, type(spec).__name__)(**values)})
+
+
+def _shape_to_proto(value: Any, depth: int) -> Any:
+    return pb.Shape(dims=value) if depth == 1 else [_shape_to_proto(v, depth - 1) for v in value]
 
 
 def _spec_from_proto(msg: pb.PoolSpec) -> PoolSpec:
+    """Any kind's message as its spec (the registry in ``kvxfer.layout.kinds``)."""
     kind = msg.WhichOneof("kind")
-    if kind == "mha":
-        m = msg.mha
-        return MhaSpec(m.layer_num, m.head_num, m.head_dim, m.v_head_dim, m.dtype, m.page_size,
-                       m.num_pages)
-    if kind == "mla":
-        a = msg.mla
-        return MlaSpec(a.layer_num, a.kv_lora_rank, a.qk_rope_head_dim, a.dtype, a.page_size,
-                       a.num_pages)
-    if kind == "mamba":
-        s = msg.mamba
-        return MambaSpec(
-            s.layer_num,
-            tuple(tuple(int(d) for d in shape.dims) for shape in s.conv_state_shapes),
-            s.conv_dtype,
-            tuple(int(d) for d in s.temporal_state_shape.dims),
-            s.temporal_dtype,
-            s.num_slots,
-        )
-    raise InvalidSpecError("pool spec has no kind; expected one of mha, mla, mamba")
+    if kind is None:
+        raise InvalidSpecError(f"pool spec has no kind; expected one of {sorted(SPEC_CLASSES)}")
+    cls = spec_class(kind, "pool spec")
+    inner = getattr(msg, kind)
+    depths = shape_depths(cls)
+    return cls(**{f.name: _shape_from_proto(getattr(inner, f.name), depths[f.name]) if f.name in depths
+                  else getattr(inner, f.name) for f in fields(cls)})
+
+
+def _shape_from_proto(value: Any, depth: int) -> Any:
+    return as_shape(value.dims, 1) if depth == 1 else tuple(_shape_from_proto(v, depth - 1) for v in value)
 
 
 def _view_to_proto(view: ViewSpec) -> pb.ViewSpec:
@@ -194,6 +179,31 @@ def lease_from_proto(msg: pb.Lease) -> LeaseInfo:
     """A lease from its message."""
     return LeaseInfo(msg.lease_id, msg.pool, runs_from_proto(msg.runs), msg.expires_in_s,
                      msg.holder, msg.arena_epoch, msg.capability)
+
+
+def lease_use_to_proto(use: LeaseUse) -> pb.LeaseUse:
+    """What a verb says about its pages' lease and mapping, as its message."""
+    return pb.LeaseUse(lease_id=use.lease_id, release_lease=use.release_lease,
+                       arena_epoch=use.arena_epoch)
+
+
+def lease_use_from_proto(msg: pb.LeaseUse) -> LeaseUse:
+    """Decode a verb's ``LeaseUse``."""
+    return LeaseUse(msg.lease_id, msg.release_lease, msg.arena_epoch)
+
+
+# -- pools -------------------------------------------------------------------------------
+
+
+def pool_info_to_proto(descriptor: PoolDescriptor, memory: MemoryHandle, leased_pages: int) -> pb.PoolInfo:
+    """A pool as the daemon lists it: its descriptor, its memory handle, its leased pages."""
+    return pb.PoolInfo(descriptor=descriptor_to_proto(descriptor), memory=memory_to_proto(memory),
+                       leased_pages=leased_pages)
+
+
+def pool_info_from_proto(msg: pb.PoolInfo) -> tuple[PoolDescriptor, MemoryHandle, int]:
+    """Decode a listed pool: descriptor, memory handle, leased pages."""
+    return descriptor_from_proto(msg.descriptor), memory_from_proto(msg.memory), msg.leased_pages
 
 
 # -- transfer status ---------------------------------------------------------------------

@@ -30,15 +30,15 @@ from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.propagation import outgoing_metadata
-from kvxfer.status import Completions, LeaseInfo, TransferInfo
+from kvxfer.status import Completions, LeaseInfo, LeaseUse, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
-    descriptor_from_proto,
     extents_from_proto,
     info_from_proto,
     lease_from_proto,
-    memory_from_proto,
+    lease_use_to_proto,
+    pool_info_from_proto,
     runs_to_proto,
 )
 from kvxfer.wire.status import from_rpc_error
@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 
 def _lease(lease_id: str, release_lease: bool, arena_epoch: str) -> pb.LeaseUse:
-    return pb.LeaseUse(lease_id=lease_id, release_lease=release_lease, arena_epoch=arena_epoch)
+    return lease_use_to_proto(LeaseUse(lease_id, release_lease, arena_epoch))
 
 
 class AttachedPool:
@@ -145,13 +145,13 @@ class KvxferClient:
     def pools(self) -> list[tuple[PoolDescriptor, MemoryHandle]]:
         """Every pool the daemon serves, with the handle to attach to its memory."""
         reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
-        return [(descriptor_from_proto(p.descriptor), memory_from_proto(p.memory))
-                for p in reply.pools]
+        return [pool_info_from_proto(p)[:2] for p in reply.pools]
 
     def describe(self, pool: str) -> tuple[PoolDescriptor, MemoryHandle]:
         """One pool's descriptor and memory handle."""
         reply = self._call(self._stub.DescribePool, pb.DescribePoolRequest(pool=pool))
-        return descriptor_from_proto(reply.descriptor), memory_from_proto(reply.memory)
+        descriptor, memory, _ = pool_info_from_proto(reply)
+        return descriptor, memory
 
     def describe_pages(self, pool: str, runs: PageRuns) -> list[Extent]:
         """The byte extents (offsets in the arena) of ``runs``."""
@@ -293,7 +293,7 @@ class KvxferClient:
     def leased_pages(self) -> dict[str, int]:
         """Pages under a lease, by pool."""
         reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
-        return {p.descriptor.name: p.leased_pages for p in reply.pools}
+        return {d.name: leased for d, _, leased in map(pool_info_from_proto, reply.pools)}
 
     def peer_address(self) -> str:
         """Where this daemon serves its peers (what a decode daemon's ``pull`` names)."""

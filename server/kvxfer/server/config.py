@@ -21,7 +21,7 @@ and what was expected.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,57 +38,13 @@ from pydantic_settings import (
 )
 
 from kvxfer.errors import InvalidSpecError, KvxferError
-from kvxfer.layout import MambaSpec, MhaSpec, MlaSpec, PoolSpec
+from kvxfer.layout import PoolSpec
+from kvxfer.layout.kinds import spec_from_mapping
 from kvxfer.server.dial_policy import LOOPBACK, parse_networks
 from kvxfer.server.limits import MIN_CHUNK_BYTES, Limits
 
-#: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
-PRESETS: dict[str, dict[str, Any]] = {
-    # The standard workload: llama-8B-like, 2 MiB pages.
-    "llama8b": dict(kind="mha", layer_num=32, head_num=8, head_dim=128, v_head_dim=128,
-                    dtype="bfloat16", page_size=16, num_pages=512),
-    # The same bytes per token slot with token-granular pages (128 KiB pages).
-    "llama8b-ps1": dict(kind="mha", layer_num=32, head_num=8, head_dim=128, v_head_dim=128,
-                        dtype="bfloat16", page_size=1, num_pages=8192),
-    "tiny": dict(kind="mha", layer_num=4, head_num=2, head_dim=64, v_head_dim=64,
-                 dtype="bfloat16", page_size=16, num_pages=64),
-    "mla-small": dict(kind="mla", layer_num=4, kv_lora_rank=128, qk_rope_head_dim=32,
-                      dtype="bfloat16", page_size=16, num_pages=64),
-    "mamba-small": dict(kind="mamba", layer_num=4, conv_state_shapes=[[64, 4]],
-                        conv_dtype="bfloat16", temporal_state_shape=[8, 16, 16],
-                        temporal_dtype="float32", num_slots=16),
-}
-
-_SPEC_CLASSES: dict[str, type[MhaSpec] | type[MlaSpec] | type[MambaSpec]] = {
-    "mha": MhaSpec, "mla": MlaSpec, "mamba": MambaSpec}
-
 #: The config file of the load in progress (read by the file source below).
 _CONFIG_FILE: ContextVar[Path | None] = ContextVar("kvxfer_config_file", default=None)
-
-
-def spec_from_dict(entry: dict[str, Any], *, where: str = "pool") -> PoolSpec:
-    """A pool spec from a config mapping (``kind`` or ``preset``, plus the spec's fields)."""
-    entry = dict(entry)
-    if "preset" in entry:
-        preset = entry.pop("preset")
-        if preset not in PRESETS:
-            raise InvalidSpecError(f"{where}: preset={preset!r} is unknown; expected one of {sorted(PRESETS)}")
-        entry = {**PRESETS[preset], **entry}
-    kind = entry.pop("kind", None)
-    cls = _SPEC_CLASSES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise InvalidSpecError(f"{where}: kind={kind!r} is unknown; expected one of {sorted(_SPEC_CLASSES)}")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(entry) - names)
-    if unknown:
-        raise InvalidSpecError(f"{where}: unknown fields {unknown} for a {kind} pool; expected {sorted(names)}")
-    missing = sorted(names - set(entry))
-    if missing:
-        raise InvalidSpecError(f"{where}: missing fields {missing} for a {kind} pool")
-    if kind == "mamba":
-        entry["conv_state_shapes"] = tuple(tuple(s) for s in entry["conv_state_shapes"])
-        entry["temporal_state_shape"] = tuple(entry["temporal_state_shape"])
-    return cls(**entry)
 
 
 def parse_pool_flag(flag: str) -> dict[str, Any]:
@@ -128,7 +84,7 @@ def _arenas(pools: list[Any], arenas: list[Any], device: str) -> tuple[ArenaConf
         entry = dict(parse_pool_flag(pool) if isinstance(pool, str) else pool)
         name = entry.pop("name", None) or f"pool{i}"
         dev = entry.pop("device", device)
-        built.append(ArenaConfig(name, dev, (PoolConfig(name, spec_from_dict(entry, where=f"pool {name!r}")),)))
+        built.append(ArenaConfig(name, dev, (PoolConfig(name, spec_from_mapping(entry, where=f"pool {name!r}")),)))
     for a in arenas:
         a = dict(a)
         aname = a.get("name") or f"arena{len(built)}"
@@ -136,7 +92,7 @@ def _arenas(pools: list[Any], arenas: list[Any], device: str) -> tuple[ArenaConf
         for j, pool in enumerate(a.get("pools", [])):
             entry = dict(pool)
             name = entry.pop("name", None) or f"{aname}-{j}"
-            members.append(PoolConfig(name, spec_from_dict(entry, where=f"pool {name!r}")))
+            members.append(PoolConfig(name, spec_from_mapping(entry, where=f"pool {name!r}")))
         if not members:
             raise InvalidSpecError(f"arena {aname!r} has no pools")
         built.append(ArenaConfig(aname, a.get("device", device), tuple(members)))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvxfer.errors import InvalidRangeError, LeaseNotFoundError, PoolExhaustedError
+from kvxfer.errors import InvalidArgumentError, LeaseNotFoundError, PoolExhaustedError
 from kvxfer.pages import PageRuns
 from kvxfer.server.pools import PoolRegistry
 
@@ -118,7 +118,7 @@ class PageLeases:
 
     def _duration(self, lease_s: float) -> float:
         if not 0 <= lease_s < float("inf"):
-            raise InvalidRangeError(f"lease_s={lease_s} must be 0 (the default) or a positive "
+            raise InvalidArgumentError(f"lease_s={lease_s} must be 0 (the default) or a positive "
                                     "number of seconds")
         return lease_s or self.default_lease_s
 
@@ -127,7 +127,7 @@ class PageLeases:
         num_pages = self._pools.get(pool).descriptor.num_pages
         duration = self._duration(lease_s)
         if not 1 <= pages <= num_pages:
-            raise InvalidRangeError(f"pages={pages}; pool {pool!r} has {num_pages}, so expected "
+            raise InvalidArgumentError(f"pages={pages}; pool {pool!r} has {num_pages}, so expected "
                                     f"1 to {num_pages}")
         runs = self._free[pool].take(pages)
         if runs is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvxfer.errors import InvalidRangeError, LimitExceededError
+from kvxfer.errors import InvalidArgumentError, LimitExceededError
 
 #: The longest transfer, session or lease id (vLLM's request ids are under 100).
 MAX_ID_CHARS = 256
@@ -39,36 +39,36 @@ class Limits:
 
 
 def check_id(what: str, value: str) -> str:
-    """``value`` if it is a usable id; InvalidRangeError naming ``what`` otherwise."""
+    """``value`` if it is a usable id; InvalidArgumentError naming ``what`` otherwise."""
     if not value:
-        raise InvalidRangeError(f"{what} is empty")
+        raise InvalidArgumentError(f"{what} is empty")
     if len(value) > MAX_ID_CHARS:
-        raise InvalidRangeError(f"{what} has {len(value)} characters; the limit is {MAX_ID_CHARS}")
+        raise InvalidArgumentError(f"{what} has {len(value)} characters; the limit is {MAX_ID_CHARS}")
     return value
 
 
 def check_text(what: str, value: str) -> str:
-    """``value`` if it is within ``MAX_TEXT_CHARS``; InvalidRangeError otherwise."""
+    """``value`` if it is within ``MAX_TEXT_CHARS``; InvalidArgumentError otherwise."""
     if len(value) > MAX_TEXT_CHARS:
-        raise InvalidRangeError(
+        raise InvalidArgumentError(
             f"{what} has {len(value)} characters; the limit is {MAX_TEXT_CHARS}")
     return value
 
 
 def check_digest(value: bytes) -> bytes:
-    """``value`` if it is a prompt digest of at most ``MAX_DIGEST_BYTES``; InvalidRangeError
+    """``value`` if it is a prompt digest of at most ``MAX_DIGEST_BYTES``; InvalidArgumentError
     otherwise."""
     if len(value) > MAX_DIGEST_BYTES:
-        raise InvalidRangeError(f"prompt_digest has {len(value)} bytes; the limit is "
+        raise InvalidArgumentError(f"prompt_digest has {len(value)} bytes; the limit is "
                                 f"{MAX_DIGEST_BYTES}")
     return value
 
 
 def check_seconds(what: str, value: float, *, most: float = MAX_TIMEOUT_S) -> float:
-    """``value`` if it is a number of seconds from 0 to ``most``; InvalidRangeError otherwise
+    """``value`` if it is a number of seconds from 0 to ``most``; InvalidArgumentError otherwise
     (NaN included)."""
     if not 0 <= value <= most:
-        raise InvalidRangeError(f"{what}={value}; expected 0 to {most:g} seconds")
+        raise InvalidArgumentError(f"{what}={value}; expected 0 to {most:g} seconds")
     return value
 
 

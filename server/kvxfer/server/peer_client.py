@@ -33,14 +33,14 @@ from kvxfer.server.peer_protocol import (
     Commit,
     DaemonHello,
     PeerAbort,
-    PushRequest,
+    PullAsk,
     abort_to_proto,
     claim_to_proto,
     commit_to_proto,
     grant_from_proto,
     hello_from_response,
     hello_to_request,
-    push_request_to_proto,
+    pull_ask_to_proto,
 )
 from kvxfer.server.tls import PeerTls
 from kvxfer.status import TransferInfo
@@ -149,9 +149,9 @@ class PeerClient:
         reply = await self._call("Commit", commit_to_proto(commit), time_left(deadline, 0.5))
         return info_from_proto(reply)
 
-    async def request_push(self, request: PushRequest, deadline: float) -> None:
+    async def request_push(self, request: PullAsk, deadline: float) -> None:
         """Ask the peer to push an offered transfer to us."""
-        await self._call("RequestPush", push_request_to_proto(request),
+        await self._call("RequestPush", pull_ask_to_proto(request),
                          time_left(deadline, 0.5))
 
     async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:

@@ -3,7 +3,7 @@
 Daemons speak ``kvxfer.v1.KvxferPeer`` to each other: a handshake opens a
 session (``DaemonHello`` both ways), a ``Claim`` asks the receiver where a
 transfer's pages go (``ClaimGrant``), a ``Commit`` closes a verified transfer,
-``PushRequest`` starts a pull, and ``PeerAbort`` ends a transfer on the other
+``PullAsk`` starts a pull, and ``PeerAbort`` ends a transfer on the other
 side. The peer client and the peer servicer are the only users of the codec;
 decoding a request checks its ids, texts and deadlines (``kvxfer.server.limits``).
 """
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import InvalidRangeError, ProtocolVersionError
+from kvxfer.errors import InvalidArgumentError, ProtocolVersionError
 from kvxfer.local_copy import ArenaFile
 from kvxfer.pages import PageRuns
 from kvxfer.server.limits import MIN_CHUNK_BYTES, check_digest, check_id, check_text
@@ -88,7 +88,7 @@ class Commit:
 
 
 @dataclass(frozen=True)
-class PushRequest:
+class PullAsk:
     """A puller asks the sender to push ``transfer_id`` (offered here) to ``reply_to``,
     presenting the offer's capability and the prompt digest it expects."""
 
@@ -171,7 +171,7 @@ def claim_to_proto(claim: Claim) -> pb.ClaimRequest:
 def claim_from_proto(msg: pb.ClaimRequest) -> Claim:
     """Decode a claim (its ids, runs and message size are validated)."""
     if msg.chunk_bytes and msg.chunk_bytes < MIN_CHUNK_BYTES:
-        raise InvalidRangeError(f"chunk_bytes={msg.chunk_bytes}; expected 0 (the receiver's) "
+        raise InvalidArgumentError(f"chunk_bytes={msg.chunk_bytes}; expected 0 (the receiver's) "
                                 f"or at least {MIN_CHUNK_BYTES}")
     return Claim(check_id("transfer_id", msg.transfer_id), check_id("session_id", msg.session_id),
                  msg.src_pool, runs_from_proto(msg.src_runs),
@@ -204,18 +204,18 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
                   tuple(msg.checksums))
 
 
-def push_request_to_proto(request: PushRequest) -> pb.RequestPushRequest:
+def pull_ask_to_proto(request: PullAsk) -> pb.RequestPushRequest:
     """A push request as its message."""
     return pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
                                  capability=request.capability,
                                  prompt_digest=request.prompt_digest)
 
 
-def push_request_from_proto(msg: pb.RequestPushRequest) -> PushRequest:
+def pull_ask_from_proto(msg: pb.RequestPushRequest) -> PullAsk:
     """Decode a push request (its id, address, capability and digest are validated)."""
     if not msg.reply_to:
-        raise InvalidRangeError("reply_to is empty; expected the puller's peer address host:port")
-    return PushRequest(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
+        raise InvalidArgumentError("reply_to is empty; expected the puller's peer address host:port")
+    return PullAsk(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
                        check_text("capability", msg.capability), check_digest(msg.prompt_digest))
 
 

@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvxfer.descriptor import PoolDescriptor
-from kvxfer.errors import IncompatibleLayoutError, InvalidRangeError, PeerUnavailableError
+from kvxfer.errors import IncompatiblePeerError, InvalidArgumentError, PeerUnavailableError
 from kvxfer.local_copy import ArenaFile, PeerArena, map_peer_arena
 from kvxfer.server.limits import Limits, check_below, check_id
 from kvxfer.server.peer_client import PeerClient, PeerClients, WatchStream, time_left
@@ -177,7 +177,7 @@ class Sessions:
         peer = await client.handshake(mine, deadline)
         await self._clients.check(peer.ucx_host)  # where it says its UCX listens: dialled too
         if peer.ucx_error_handling != mine.ucx_error_handling:
-            raise IncompatibleLayoutError(
+            raise IncompatiblePeerError(
                 f"peer {address} runs UCX with error_handling={peer.ucx_error_handling}, we run "
                 f"{mine.ucx_error_handling}; both daemons must use the same setting")
         # Watch at once: the peer drops a session whose stream has not begun in time.
@@ -247,7 +247,7 @@ class Sessions:
             raise PeerUnavailableError("this daemon is shutting down; no new sessions")
         check_id("session_id", peer.session_id)
         if peer.session_id in self._inbound:
-            raise InvalidRangeError(f"session id {peer.session_id[:8]}... is in use; every "
+            raise InvalidArgumentError(f"session id {peer.session_id[:8]}... is in use; every "
                                     "handshake needs a new one")
         held = sum(1 for s in self._inbound.values() if s.caller.name == caller.name)
         check_below("max_sessions_per_peer", held, self._limits.sessions_per_peer,
@@ -285,7 +285,7 @@ class Sessions:
         stop or fall silent for ``silence_limit_s``; the session ends with the stream."""
         session = self.inbound(session_id, caller)
         if session.watched:
-            raise InvalidRangeError(f"session {session_id[:8]} is already watched; a session "
+            raise InvalidArgumentError(f"session {session_id[:8]} is already watched; a session "
                                     "has one Watch stream, opened right after its handshake")
         session.watched = True
         listening = asyncio.create_task(self._listen(sender_beats), name=f"listen {session_id[:8]}")

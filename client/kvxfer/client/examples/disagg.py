@@ -166,7 +166,7 @@ def reference(flavour: str, prompts: list[list[int]], new_tokens: int) -> dict[s
     """The same model in one process with local pools: prefill then decode, no transfer."""
     from kvxfer.descriptor import PoolDescriptor
     from kvxfer.layout import PoolLayout
-    from kvxfer.server.config import spec_from_dict
+    from kvxfer.layout.kinds import spec_from_mapping
 
     cfg = ModelConfig(flavour=flavour)
     model = TinyModel(cfg)
@@ -174,7 +174,7 @@ def reference(flavour: str, prompts: list[list[int]], new_tokens: int) -> dict[s
     class Local:
         def __init__(self, entry: dict[str, Any]) -> None:
             entry = dict(entry)
-            desc = PoolDescriptor(entry.pop("name"), PoolLayout(spec_from_dict(entry)))
+            desc = PoolDescriptor(entry.pop("name"), PoolLayout(spec_from_mapping(entry)))
             self.views = desc.build_views(torch.zeros(desc.layout.end_bytes, dtype=torch.uint8))
 
     pools = [Local(e) for e in cfg.pools()]

@@ -23,7 +23,7 @@ from kvxfer.server.peer_protocol import (
     grant_to_proto,
     hello_from_request,
     hello_to_response,
-    push_request_from_proto,
+    pull_ask_from_proto,
 )
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
@@ -97,7 +97,7 @@ class PeerService(pb_grpc.KvxferPeerServicer):
                           context: Context) -> pb.RequestPushResponse:
         caller = Caller.of(context)
         with _audited(caller, "request-push", request.transfer_id, ""):
-            push = push_request_from_proto(request)
+            push = pull_ask_from_proto(request)
             self._transfers.request_push(push, caller)
         return pb.RequestPushResponse()
 

@@ -9,26 +9,22 @@ import grpc
 
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
-from kvxfer.server.transfers.coordinator import LeaseUse, TransferCoordinator
+from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import LeaseInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.version import __version__
 from kvxfer.wire.codec import (
-    descriptor_to_proto,
     extents_to_proto,
     info_to_proto,
     lease_to_proto,
-    memory_to_proto,
+    lease_use_from_proto,
+    pool_info_to_proto,
     runs_from_proto,
 )
 
 Context = grpc.aio.ServicerContext[Any, Any]
-
-
-def _lease(msg: pb.LeaseUse) -> LeaseUse:
-    return LeaseUse(msg.lease_id, msg.release_lease, msg.arena_epoch)
 
 
 class WorkerService(pb_grpc.KvxferServicer):
@@ -46,9 +42,8 @@ class WorkerService(pb_grpc.KvxferServicer):
                                         lease.capability if granted else ""))
 
     def _pool_info(self, pool: Pool) -> pb.PoolInfo:
-        return pb.PoolInfo(descriptor=descriptor_to_proto(pool.descriptor),
-                           memory=memory_to_proto(pool.arena.handle),
-                           leased_pages=self._leases.leased_pages(pool.name))
+        return pool_info_to_proto(pool.descriptor, pool.arena.handle,
+                                  self._leases.leased_pages(pool.name))
 
     async def _answer(self, t: Transfer, wait: bool) -> pb.TransferStatus:
         """A verb's answer: the status now, or with ``wait`` the final one (no Wait round trip)."""
@@ -76,7 +71,7 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Expect(self, request: pb.ExpectRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.expect(request.transfer_id, request.pool,
                                    runs_from_proto(request.dst_runs), request.timeout_s,
-                                   _lease(request.lease), request.peer_identity)
+                                   lease_use_from_proto(request.lease), request.peer_identity)
         answer = await self._answer(t, request.wait)
         answer.capability = t.capability
         return answer
@@ -84,14 +79,14 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Push(self, request: pb.PushRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.push(request.transfer_id, request.pool,
                                  runs_from_proto(request.src_runs), request.peer,
-                                 request.timeout_s, request.verify, _lease(request.lease),
+                                 request.timeout_s, request.verify, lease_use_from_proto(request.lease),
                                  request.capability)
         return await self._answer(t, request.wait)
 
     async def Offer(self, request: pb.OfferRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.offer(request.transfer_id, request.pool,
                                   runs_from_proto(request.src_runs), request.timeout_s,
-                                  request.verify, _lease(request.lease), request.peer_identity,
+                                  request.verify, lease_use_from_proto(request.lease), request.peer_identity,
                                   request.prompt_digest)
         answer = await self._answer(t, request.wait)
         answer.capability = t.capability
@@ -100,7 +95,7 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def Pull(self, request: pb.PullRequest, context: Context) -> pb.TransferStatus:
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
                                  runs_from_proto(request.dst_runs), request.timeout_s,
-                                 _lease(request.lease), request.peer_identity,
+                                 lease_use_from_proto(request.lease), request.peer_identity,
                                  request.capability, request.prompt_digest)
         return await self._answer(t, request.wait)
 

@@ -15,11 +15,10 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import (
-    InvalidRangeError,
+    InvalidArgumentError,
     KvxferError,
     LeaseExpiredError,
     PeerUnavailableError,
@@ -31,7 +30,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
 from kvxfer.server.peer_client import PeerClients
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PushRequest
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PullAsk
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
@@ -39,7 +38,7 @@ from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
 from kvxfer.server.transfers.sender import Sender
-from kvxfer.status import TransferInfo, TransferRole, TransferState
+from kvxfer.status import LeaseUse, TransferInfo, TransferRole, TransferState
 
 log = logging.getLogger("kvxfer.server.transfers")
 
@@ -47,16 +46,6 @@ log = logging.getLogger("kvxfer.server.transfers")
 TELL_PEER_S = 2.0
 #: The longest a completions call may wait.
 MAX_POLL_S = 60.0
-
-
-@dataclass(frozen=True)
-class LeaseUse:
-    """The lease a transfer's pages belong to (see ``kvxfer.server.leases``), if any, and the
-    memory epoch of the mapping the caller used them through ("": not checked)."""
-
-    lease_id: str = ""
-    release_lease: bool = False
-    arena_epoch: str = ""
 
 
 NO_LEASE = LeaseUse()
@@ -114,9 +103,9 @@ class TransferCoordinator:
         """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side),
         presenting the ``capability`` its expect's answer told."""
         if not peer:
-            raise InvalidRangeError("peer is empty; expected the decode daemon's host:port")
+            raise InvalidArgumentError("peer is empty; expected the decode daemon's host:port")
         if not capability:
-            raise InvalidRangeError("capability is empty; a push presents its expect's capability "
+            raise InvalidArgumentError("capability is empty; a push presents its expect's capability "
                                     "(the decode daemon's answer to the Expect holds it)")
         check_text("capability", capability)
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
@@ -152,9 +141,9 @@ class TransferCoordinator:
         presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
         computed from; with ``peer_identity``, only that peer's session may fill it."""
         if not peer:
-            raise InvalidRangeError("peer is empty; expected the prefill daemon's host:port")
+            raise InvalidArgumentError("peer is empty; expected the prefill daemon's host:port")
         if not capability:
-            raise InvalidRangeError("capability is empty; a pull presents its offer's capability "
+            raise InvalidArgumentError("capability is empty; a pull presents its offer's capability "
                                     "(the offer's or its lease's answer holds it)")
         check_text("capability", capability)
         check_digest(prompt_digest)
@@ -208,7 +197,7 @@ class TransferCoordinator:
                   disjoint: bool, lease: LeaseUse, peer_identity: str = "", capability: str = "",
                   prompt_digest: bytes = b"") -> Transfer:
         if peer_identity and not self._authenticated_peers:
-            raise InvalidRangeError(
+            raise InvalidArgumentError(
                 f"peer_identity={peer_identity!r} names a certificate, but this daemon's peer "
                 "API has no mutual TLS (--peer-tls-cert/--peer-tls-key/--peer-tls-ca)")
         check_text("peer_identity", peer_identity)
@@ -244,7 +233,7 @@ class TransferCoordinator:
         """A verifying sender hands over its checksums; the final status."""
         return await self._receiver.commit(commit, caller)
 
-    def request_push(self, request: PushRequest, caller: Caller) -> None:
+    def request_push(self, request: PullAsk, caller: Caller) -> None:
         """A puller asks us to push an offered transfer (see ``Sender.accept_push_request``)."""
         self._sender.accept_push_request(request, caller)
 

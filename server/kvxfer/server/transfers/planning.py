@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 
-from kvxfer.errors import InvalidRangeError
+from kvxfer.errors import InvalidArgumentError
 from kvxfer.layout import PoolLayout
 from kvxfer.pages import Extent, PageRuns, map_extents, split_extents
 
@@ -32,7 +32,7 @@ def plan_chunks(src_runs: PageRuns, src: PoolLayout, dst_runs: PageRuns, dst: Po
                           src_anchor=src.anchor_bytes, dst_anchor=dst.anchor_bytes)
     chunks = split_extents(extents, chunk_bytes)
     if len(chunks) >= 1 << CHUNK_BITS:
-        raise InvalidRangeError(
+        raise InvalidArgumentError(
             f"transfer needs {len(chunks)} messages; at most {(1 << CHUNK_BITS) - 1} fit a tag "
             "space; use a larger chunk_bytes")
     return chunks

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvxfer.descriptor import check_compatible
 from kvxfer.errors import (
-    IncompatibleLayoutError,
+    IncompatiblePeerError,
     IntegrityError,
-    InvalidRangeError,
+    InvalidArgumentError,
     KvxferError,
     PeerNotAllowedError,
     TransferExistsError,
@@ -37,7 +37,7 @@ from kvxfer.integrity import checksum
 from kvxfer.local_copy import PeerArena, copy_in_threads
 from kvxfer.pages import Extent
 from kvxfer.server.peer_client import PeerClients
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk
 from kvxfer.server.sessions import InboundSession, Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
@@ -99,7 +99,7 @@ class Receiver:
     def _plan(self, t: Transfer, claim: Claim, session: InboundSession) -> tuple[Extent, ...]:
         src = session.pools.get(claim.src_pool)
         if src is None:
-            raise IncompatibleLayoutError(
+            raise IncompatiblePeerError(
                 f"sender {session.peer_address} claims from pool {claim.src_pool!r}, which "
                 f"its handshake did not describe (it described {sorted(session.pools)})")
         check_compatible(src, t.pool.descriptor)
@@ -109,7 +109,7 @@ class Receiver:
     def _post(self, t: Transfer, claim: Claim, session: InboundSession) -> ClaimGrant:
         chunks = self._plan(t, claim, session)
         if claim.lanes > self._transport.lanes:
-            raise InvalidRangeError(
+            raise InvalidArgumentError(
                 f"the sender offers {claim.lanes} UCX lanes; this daemon has "
                 f"{self._transport.lanes} (its handshake said so)")
         # A lane with no chunk would only cost a wake-up on both sides.
@@ -229,7 +229,7 @@ class Receiver:
         t.task = asyncio.create_task(self._request_push(t), name=f"pull {t.id}")
 
     async def _request_push(self, t: Transfer) -> None:
-        request = PushRequest(t.id, self._peer_address, t.capability, t.prompt_digest)
+        request = PullAsk(t.id, self._peer_address, t.capability, t.prompt_digest)
         try:
             with self._registry.tracing.phase(t, "request_push"):
                 await (await self._clients.get(t.peer)).request_push(request, t.deadline)

@@ -22,7 +22,7 @@ from typing import Any
 
 from kvxfer.errors import (
     InternalError,
-    InvalidRangeError,
+    InvalidArgumentError,
     KvxferError,
     PeerUnavailableError,
     TransferExistsError,
@@ -99,7 +99,7 @@ class TransferRegistry:
         pool = self._pools.get(pool_name)
         runs.check_bounds(pool.descriptor.num_pages, what=f"pool {pool_name!r} pages")
         if runs.num_pages > pool.descriptor.num_pages:
-            raise InvalidRangeError(
+            raise InvalidArgumentError(
                 f"runs name {runs.num_pages} pages; a transfer moves at most the "
                 f"{pool.descriptor.num_pages} pages of pool {pool_name!r}")
         if disjoint:
@@ -107,11 +107,11 @@ class TransferRegistry:
         if lease_id:
             lease = self._leases.get(lease_id)
             if lease.pool != pool_name or not lease.covers(runs):
-                raise InvalidRangeError(
+                raise InvalidArgumentError(
                     f"runs {runs.pairs()} of pool {pool_name!r} are not all pages of lease "
                     f"{lease_id} (pool {lease.pool!r}, runs {lease.runs.pairs()})")
         elif release_lease:
-            raise InvalidRangeError("release_lease needs a lease_id")
+            raise InvalidArgumentError("release_lease needs a lease_id")
         old = self._transfers.get(transfer_id)
         if old is not None and not old.state.final:
             raise TransferExistsError(

@@ -20,14 +20,14 @@ import time
 
 from kvxfer.descriptor import PoolDescriptor, check_compatible
 from kvxfer.errors import (
-    IncompatibleLayoutError,
+    IncompatiblePeerError,
     InternalError,
-    InvalidRangeError,
+    InvalidArgumentError,
     PromptMismatchError,
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PushRequest
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents, same_prompt
@@ -53,7 +53,7 @@ class Sender:
         """Push ``t`` to ``t.peer`` in the background."""
         t.task = asyncio.create_task(self._push(t), name=f"push {t.id}")
 
-    def accept_push_request(self, request: PushRequest, caller: Caller) -> None:
+    def accept_push_request(self, request: PullAsk, caller: Caller) -> None:
         """``caller`` asks us to push ``request.transfer_id`` to it. It must be offered here
         already, and the request must present the offer's capability (once) and, if the
         offer names a peer, come from it: anything else is the same NOT_FOUND, at once. A
@@ -100,7 +100,7 @@ class Sender:
             grant = await session.client.claim(claim, t.deadline)
         dst = session.pools.get(grant.dst_pool)
         if dst is None:
-            raise IncompatibleLayoutError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
+            raise IncompatiblePeerError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
         check_compatible(t.pool.descriptor, dst)
         if grant.copied:
             await self._after_copy(t, session, grant, dst)
@@ -108,7 +108,7 @@ class Sender:
         chunks = plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
                              self._chunk_bytes)
         if grant.lanes > connection.lanes:
-            raise InvalidRangeError(f"peer {t.peer} posted on {grant.lanes} lanes; we offered "
+            raise InvalidArgumentError(f"peer {t.peer} posted on {grant.lanes} lanes; we offered "
                                     f"{connection.lanes}")
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
@@ -132,7 +132,7 @@ class Sender:
         """The receiver copied from our pool (same host): commit, for the receiver ends only
         with it, with each chunk's checksum when verifying (only then is there a plan to make)."""
         if not session.peer.reads_locally:
-            raise InvalidRangeError(f"peer {t.peer} says it copied {t.id!r} from our memory, "
+            raise InvalidArgumentError(f"peer {t.peer} says it copied {t.id!r} from our memory, "
                                     "but it did not map our arenas")
         chunks = (plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
                               self._chunk_bytes) if t.verify else ())
