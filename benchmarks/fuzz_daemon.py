@@ -58,6 +58,8 @@ from kvxfer.server.limits import MAX_TIMEOUT_S
 from kvxfer.v1 import kvxfer_pb2 as pb
 
 POOL = "name=kv,preset=tiny,num_pages=64"
+#: Both daemons dial loopback IPv4 and IPv6 only (the fuzz names 127.0.0.2 too).
+DIAL_ALLOW = ["--dial-allow", "127.0.0.1/32", "--dial-allow", "::1/128"]
 #: D's pages the alongside transfers fill, from P's pages 0-15 and 16-31 in turn.
 ALONGSIDE_DST = PageRuns.of([(48, 16)])
 ALONGSIDE_SRC = (PageRuns.of([(0, 16)]), PageRuns.of([(16, 16)]))
@@ -75,8 +77,9 @@ class Vocabulary:
         fuzz_ids = [f"f{i}" for i in range(8)]
         alongside_ids = [f"along-{i}" for i in range(40)]
         hostile_text = ["", "x" * 257, "y" * 5000, "\x00", "é" * 300]
+        # 127.0.0.2 is outside both daemons' --dial-allow (DIAL_ALLOW): refused, never dialled.
         addresses = [prefill.peer_address, decode.peer_address, "127.0.0.1:1", "127.0.0.1:0",
-                     "127.0.0.1:99999", "[::1]:1", "nonsense", ""]
+                     "127.0.0.1:99999", "127.0.0.2:1", "[::1]:1", "nonsense", ""]
         self.worker = self._fields(fuzz_ids, hostile_text, addresses, session_id)
         self.peer = self._fields(fuzz_ids + alongside_ids, hostile_text, addresses, session_id)
 
@@ -302,8 +305,10 @@ class Alongside(threading.Thread):
 def fuzz(count: int, seed: int, workdir: Path) -> dict[str, Any]:
     """Run the whole fuzz; what it measured and checked."""
     with dev_certs("prefill", "decode", "fuzzer") as tls, \
-            LocalDaemon("prefill", [POOL], workdir=str(workdir / "prefill"), tls=tls) as pre, \
-            LocalDaemon("decode", [POOL], workdir=str(workdir / "decode"), tls=tls) as dec, \
+            LocalDaemon("prefill", [POOL], workdir=str(workdir / "prefill"), tls=tls,
+                        extra_args=DIAL_ALLOW) as pre, \
+            LocalDaemon("decode", [POOL], workdir=str(workdir / "decode"), tls=tls,
+                        extra_args=DIAL_ALLOW) as dec, \
             KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             p.attach("kv") as src, d.attach("kv") as dst:
         for page in range(src.descriptor.num_pages):  # distinct bytes in every source page

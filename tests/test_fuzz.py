@@ -18,7 +18,9 @@ def test_ten_thousand_hostile_requests_change_nothing_and_break_nothing() -> Non
     assert got["pools_unchanged"]
     assert got["alongside_done"] >= 10 and got["alongside_failures"] == [], got["alongside_failures"]
     refused = {code for code in got["codes"] if code != "OK"}
+    # No PERMISSION_DENIED: every transfer holds a capability the fuzzer never learns, so a
+    # claim or abort of one reserved for another peer is NOT_FOUND before any identity check.
     assert {"INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "RESOURCE_EXHAUSTED",
-            "PERMISSION_DENIED", "ALREADY_EXISTS"} <= refused
+            "ALREADY_EXISTS"} <= refused
     assert len(got["methods"]) == 22  # every method of both services was called
     assert got["ok"]

@@ -182,17 +182,31 @@ def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run
 def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
     """Another prompt's params (same length), params used twice, an altered transfer id, a
     wrong capability, a closed peer port, a peer outside the decode daemon's --dial-allow
-    (never dialled: counted): each load fails, the prompt is computed on the decode engine,
+    (never dialled: counted), params of another version (refused before any load): each load
+    fails or is refused, the prompt is computed on the decode engine,
     and the answer is the plain engine's; the forged prompt asked plainly afterwards too (no
     KV of another prompt entered its prefix cache)."""
     trust, base = run["trust"], run["baseline_trust"]
     cases = ("other_prompt", "other_prompt_plain_after", "replay_first", "replay_again",
-             "altered_id", "wrong_capability", "closed_peer", "outside_policy")
+             "altered_id", "wrong_capability", "closed_peer", "outside_policy", "other_version")
     assert {c: same_as_plain(trust, base, trust[c]) for c in cases} == dict.fromkeys(cases, "")
     log = trust["decode_log"]
     assert log.count("holds KV computed from another prompt than the puller's") == 1
     assert log.count("here is open to this caller") == 3  # replayed, altered id, capability
     assert trust["dials_refused"] == 1 and "outside this daemon's dial_allow" in log
+    assert log.count("(params version:") == 1 and "version int 2; this connector reads version 1" in log
+
+
+def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
+    """Its client gives up while the prefill daemon is frozen (the load waits on it): vLLM
+    aborts the request, the connector reports the load finished, and once a later request
+    has run the decode engine holds no request and no KV block."""
+    trust, base = run["trust"], run["baseline_trust"]
+    assert trust["abandoned_answered"] is False  # the client did go away first
+    assert same_as_plain(trust, base, trust["after_abandoned"]) == ""
+    assert trust["after_abandoned_gauges"] == {
+        "num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0,
+    }, (trust["before_abandoned_gauges"], trust["after_abandoned_gauges"])
 
 
 def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:

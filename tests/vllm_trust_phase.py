@@ -20,6 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 from vllm_client import ask, ask_all, counters, metric
 
 from kvxfer.client.integrations.vllm.deploy import (
@@ -36,12 +37,15 @@ TOP = 5
 PROMPTS = {
     **{f"M{i}": prompt(seed=300 + i, words=40 + 20 * i) for i in range(3)},
     "F": prompt(seed=310, words=90), "G": prompt(seed=311, words=90),
-    **{f"R{i}": prompt(seed=320 + i, words=50 + 10 * i) for i in range(5)},
+    **{f"R{i}": prompt(seed=320 + i, words=50 + 10 * i) for i in range(6)},
     **{f"D{i}": prompt(seed=330 + i, words=60 + 10 * i) for i in range(3)},
     **{f"P{i}": prompt(seed=340 + i, words=60 + 10 * i) for i in range(3)},
     **{f"K{i}": prompt(seed=350 + i, words=70 + 10 * i) for i in range(6)},
     **{f"W{i}": prompt(seed=360 + i, words=45 + 5 * i) for i in range(12)},
+    "A0": prompt(seed=370, words=120), "A1": prompt(seed=371, words=30),
 }
+#: How long the client of a request that is then aborted waits for its answer.
+ABANDON_S = 3.0
 #: How long after a daemon restart transfers must flow again.
 RESUME_S = 60.0
 
@@ -174,7 +178,40 @@ def forged_cases(phase: Phase) -> None:
     refused_before = dials_refused(phase.d)
     out["outside_policy"] = phase.direct("R4", outside, "outside-policy")
     out["dials_refused"] = dials_refused(phase.d) - refused_before
+    versioned = phase.prefilled("R5", "version-source")
+    versioned["kvxfer"]["version"] = 2
+    out["other_version"] = phase.direct("R5", versioned, "other-version")
     out["healthy_after_forgeries"] = phase.healthy()
+
+
+def engine_gauge(phase: Phase, name: str) -> float:
+    assert phase.d.decode is not None
+    return phase.d.decode.metric(f'vllm:{name}{{engine="0",model_name="{phase.model}"}}')
+
+
+def aborted_case(phase: Phase) -> None:
+    """A request aborted (its client went away) while its load waits on a frozen prefill
+    daemon: once a later request has run, the decode engine holds no request and no block."""
+    d, out = phase.d, phase.out
+    assert d.decode is not None and d.prefill_daemon is not None and d.prefill_daemon.process
+    params = phase.prefilled("A0", "abandoned-source")
+    out["before_abandoned_gauges"] = {name: engine_gauge(phase, name) for name in (
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+    d.prefill_daemon.process.send_signal(signal.SIGSTOP)
+    try:
+        with d.decode.client(timeout_s=ABANDON_S) as http:
+            try:
+                ask(http, phase.model, PROMPTS["A0"], "abandoned", params, top=TOP)
+                out["abandoned_answered"] = True
+            except httpx.TimeoutException:
+                out["abandoned_answered"] = False
+        time.sleep(1.0)  # the engine sees the disconnect and aborts the request
+    finally:
+        d.prefill_daemon.process.send_signal(signal.SIGCONT)
+    out["after_abandoned"] = phase.direct("A1", None, "after-abandoned")
+    time.sleep(1.0)
+    out["after_abandoned_gauges"] = {name: engine_gauge(phase, name) for name in (
+        "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
 
 
 def restart_cases(phase: Phase, router: Router) -> None:
@@ -232,6 +269,7 @@ def run(d: Disaggregation, model: str) -> dict[str, Any]:
     """Every case, in order; what each answered."""
     phase = Phase(d, model)
     forged_cases(phase)
+    aborted_case(phase)
     with Router(d) as router:
         restart_cases(phase, router)
     return phase.out

@@ -51,6 +51,15 @@ MAX_POLL_S = 60.0
 NO_LEASE = LeaseUse()
 
 
+def _check_counterpart(peer: str, side: str, capability: str, where_from: str) -> None:
+    """A push or pull names the other ``side``'s daemon and presents a capability."""
+    if not peer:
+        raise InvalidArgumentError(f"peer is empty; expected the {side} daemon's host:port")
+    if not capability:
+        raise InvalidArgumentError(f"capability is empty; {where_from}")
+    check_text("capability", capability)
+
+
 class TransferCoordinator:
     """Every transfer verb of this daemon, for its workers and its peers."""
 
@@ -102,12 +111,8 @@ class TransferCoordinator:
              capability: str = "") -> Transfer:
         """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side),
         presenting the ``capability`` its expect's answer told."""
-        if not peer:
-            raise InvalidArgumentError("peer is empty; expected the decode daemon's host:port")
-        if not capability:
-            raise InvalidArgumentError("capability is empty; a push presents its expect's capability "
-                                    "(the decode daemon's answer to the Expect holds it)")
-        check_text("capability", capability)
+        _check_counterpart(peer, "decode", capability, "a push presents its expect's capability "
+                           "(the decode daemon's answer to the Expect holds it)")
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
                            verify=verify, peer=peer, disjoint=False, lease=lease,
                            capability=capability)
@@ -140,12 +145,8 @@ class TransferCoordinator:
         """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side),
         presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
         computed from; with ``peer_identity``, only that peer's session may fill it."""
-        if not peer:
-            raise InvalidArgumentError("peer is empty; expected the prefill daemon's host:port")
-        if not capability:
-            raise InvalidArgumentError("capability is empty; a pull presents its offer's capability "
-                                    "(the offer's or its lease's answer holds it)")
-        check_text("capability", capability)
+        _check_counterpart(peer, "prefill", capability, "a pull presents its offer's capability "
+                           "(the offer's or its lease's answer holds it)")
         check_digest(prompt_digest)
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
                            peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity,
