@@ -89,8 +89,10 @@ def engines(spawn):
 
 
 def mapped(path: str) -> bool:
-    """Whether this process maps the file at ``path``."""
-    return any(line.endswith(path) for line in Path("/proc/self/maps").read_text().splitlines())
+    """Whether this process maps the file at ``path`` (Linux marks it "(deleted)" once the
+    file is unlinked, as a killed daemon's arena is)."""
+    return any(line.endswith((path, f"{path} (deleted)"))
+               for line in Path("/proc/self/maps").read_text().splitlines())
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
@@ -99,6 +101,7 @@ def test_after_a_daemon_restart_the_engines_reattach_and_the_kv_is_right(engines
     daemon = engines.dec if side == "decode" else engines.pre
     worker = engines.work_d if side == "decode" else engines.work_p
     old = worker._pool.memory.shm.path
+    assert mapped(old)
     daemon.restart()
     engines.fresh_kv(5)
     assert engines.hand_off("after", [4, 9], [5, 6]) == (True, set())

@@ -5,9 +5,10 @@ offer's RequestPush must present it (once), and the claim of the pulled transfer
 decode side too; an expect's claim (the Push's) must present the expect's; so must an
 abort of any of them before a session claimed it. The prompt digest is what the pull's
 must equal.
-Compared in constant time, and every refusal (an id not registered here, a wrong or spent
-capability, a peer the transfer does not name) is the same NOT_FOUND, so a caller learns
-nothing about which transfers exist. A capability is never logged.
+Compared in constant time, and every refusal for lack of it (an id not registered here, a
+wrong or spent capability, no capability) is the same NOT_FOUND, so a caller learns
+nothing about which transfers exist; a caller that holds it but is not the peer a transfer
+names gets PERMISSION_DENIED. A capability is never logged.
 """
 
 from __future__ import annotations

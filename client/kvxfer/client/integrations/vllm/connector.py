@@ -86,6 +86,13 @@ def block_layout(vllm_config: VllmConfig) -> BlockLayout:
         vllm_version=vllm.__version__, attention=attention)
 
 
+def _plan_of(metadata: KVConnectorMetadata) -> StepPlan:
+    """The plan a scheduler of this connector sent (TypeError for anything else)."""
+    if not isinstance(metadata, KvxferMetadata):
+        raise TypeError(f"connector metadata is a {type(metadata).__name__}, not KvxferMetadata")
+    return metadata.plan
+
+
 class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
     """A vLLM KV connector whose KV travels through the node's kvxfer daemon."""
 
@@ -139,12 +146,12 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        block_ids = list(blocks.get_block_ids()[0])
         self._guarded(
             "update_state_after_alloc",
-            lambda: self._sched().update_state_after_alloc(request, block_ids, num_external_tokens),
-            lambda: self._sched().fail_load(request, block_ids, num_external_tokens,
-                                            "update_state_after_alloc failed"))
+            lambda: self._sched().update_state_after_alloc(
+                request, list(blocks.get_block_ids()[0]), num_external_tokens),
+            lambda: self._sched().fail_load(request, list(blocks.get_block_ids()[0]),
+                                            num_external_tokens, "update_state_after_alloc failed"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._guarded("build_connector_meta", lambda: self._build_meta(scheduler_output),
@@ -185,9 +192,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, KvxferMetadata)
         self._guarded("bind_connector_metadata",
-                      lambda: self._work().bind(connector_metadata.plan), lambda: None)
+                      lambda: self._work().bind(_plan_of(connector_metadata)), lambda: None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._guarded("start_load_kv", self._work().start_load_kv, lambda: None)
