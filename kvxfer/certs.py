@@ -18,10 +18,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+try:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+except ModuleNotFoundError as missing:
+    raise ModuleNotFoundError(
+        "kvxfer.certs needs cryptography: pip install 'kvxfer[certs]' (the daemon install, "
+        "'kvxfer[daemon]', has it)", name=missing.name) from missing
 
 from kvxfer.errors import InvalidSpecError
 

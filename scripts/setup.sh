@@ -16,7 +16,7 @@ fi
 mkdir -p .logs && : >"$LOG"
 [ -x .venv/bin/python ] || step "$LOG" "creating .venv" "$PYTHON" -m venv .venv
 step "$LOG" "installing pip and torch==2.13.0 (CPU)" \
-  .venv/bin/python -m pip install --upgrade pip "torch==2.13.0"
+  .venv/bin/python -m pip install --upgrade "${torch_index[@]}" pip "torch==2.13.0"
 step "$LOG" "installing kvxfer, kvxfer-client and kvxfer-server (editable, with the dev tools)" \
   .venv/bin/python -m pip install -e ".[dev]" -e "./client[vllm]" -e ./server
 echo "$stamp" > .venv/.kvxfer-ready

@@ -1,3 +1,9 @@
+# Where the CPU build of torch comes from (PyPI's torch is a multi-GB CUDA build); set
+# KVXFER_TORCH_INDEX to another index, or to nothing where pip finds the CPU wheel anyway.
+TORCH_INDEX=${KVXFER_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+torch_index=()
+[ -z "$TORCH_INDEX" ] || torch_index=(--extra-index-url "$TORCH_INDEX")
+
 # Sourced by the set-up scripts: `step LOG WHAT COMMAND...` runs COMMAND with its output
 # appended to LOG and prints one line for it: WHAT, then how long it took, or FAILED with
 # the log's last lines and its path.

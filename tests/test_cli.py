@@ -83,6 +83,7 @@ def test_certs_writes_a_ca_and_node_certificates_and_prints_their_flags(tmp_path
            f"--peer-tls-ca {tmp_path}/ca.pem" in out.stdout
 
 
+@pytest.mark.slow
 def test_operations_against_a_daemon(spawn) -> None:
     d = spawn("ops", ["name=kv,preset=tiny", "name=lat,preset=mla-small"])
     health = kvxfer("health", "--address", d.worker_address, "--json")

@@ -145,6 +145,7 @@ spec:
 BAD_DOCKERFILE = "FROM debian\nRUN apt-get update && apt-get install -y curl\n"
 
 
+@pytest.mark.slow
 def test_the_scans_find_no_misconfiguration(tools, rendered, tmp_path) -> None:
     bad_pod, bad_dockerfile = tmp_path / "pod.yaml", tmp_path / "Dockerfile"
     bad_pod.write_text(PRIVILEGED_POD)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -21,3 +22,17 @@ def test_mypy_strict_is_clean() -> None:
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Success: no issues found" in out.stdout
+
+
+def test_the_three_distributions_are_released_together() -> None:
+    """One version: kvxfer's, kvxfer-client's and kvxfer-server's, the pins between them, and
+    what the installed kvxfer reports."""
+    from kvxfer.version import __version__
+
+    projects = [tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]
+                for folder in (".", "client", "server")]
+    assert {p["version"] for p in projects} == {__version__}
+    pins = [dep for p in projects
+            for dep in [*p.get("dependencies", []), *sum(p.get("optional-dependencies", {}).values(), [])]
+            if dep.startswith("kvxfer")]
+    assert pins and all(dep.endswith(f"=={__version__}") for dep in pins), pins

@@ -28,10 +28,13 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTIONS = {"kvxfer": REPO, "kvxfer_client": REPO / "client", "kvxfer_server": REPO / "server"}
 #: What the worker install must not hold (the daemon's stack).
-DAEMON_ONLY = {"kvxfer-server", "ucxx-cu12", "libucxx-cu12", "cryptography", "prometheus-client",
+DAEMON_ONLY = {"kvxfer-server", "ucxx-cu12", "libucxx-cu12", "libucx-cu12", "cryptography", "prometheus-client",
                "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "pydantic-settings",
                "grpcio-reflection", "python-json-logger"}
 POOL = "kv=tiny"
+#: Where each distribution's sources lie inside its sdist (nothing else of the tree may).
+PACKAGE_ROOTS = {"kvxfer": ("kvxfer/",), "kvxfer_client": ("kvxfer/client/", "kvxfer/integrations/"),
+                 "kvxfer_server": ("kvxfer/server/",)}
 
 
 def run(*args: str | Path, cwd: Path, timeout: float = 600, check: bool = True,
@@ -88,10 +91,17 @@ def test_no_symbolic_link_is_left_and_every_archive_holds_its_own_tree(dists: di
                   "kvxfer_client": ("kvxfer/server/", "kvxfer/pages.py"),
                   "kvxfer_server": ("kvxfer/client/", "kvxfer/pages.py")}[dist]
         assert not [f for f in packaged if f.startswith(others)], f"{dist} holds another's files"
-    for name, path in dists.items():
-        if name.endswith(".tar.gz"):
-            with tarfile.open(path) as sdist:
-                assert not [m.name for m in sdist.getmembers() if m.issym() or m.islnk()], name
+    sources = {"kvxfer": "kvxfer/pages.py", "kvxfer_client": "kvxfer/client/cli.py",
+               "kvxfer_server": "kvxfer/server/daemon.py"}
+    for dist, source in sources.items():
+        with tarfile.open(dists[f"{dist}-0.1.0.tar.gz"]) as sdist:
+            members = sdist.getmembers()
+        assert not [m.name for m in members if m.issym() or m.islnk()], dist
+        files = {m.name.split("/", 1)[1] for m in members if m.isfile()}
+        assert {source, "pyproject.toml"} <= files, dist
+        strays = [f for f in files if f.startswith(("server/", "client/")) or (
+            f.startswith("kvxfer/") and not f.startswith(PACKAGE_ROOTS[dist]))]
+        assert strays == [], dist
 
 
 def test_the_worker_install_has_no_ucx_and_refuses_to_serve(venv: Path) -> None:
@@ -111,8 +121,8 @@ def test_the_worker_install_has_no_ucx_and_refuses_to_serve(venv: Path) -> None:
     # The connector's only missing import is vLLM itself (the engine's image has it).
     assert imports.stdout.split("\n")[:2] == ["vllm", "[]"], imports.stdout
     assert "usage: kvxfer" in run(venv / "kvxfer", "--help", cwd=venv).stdout
-    for args in (["serve"], ["serve", "--help"], ["serve", "--pool", POOL], ["certs", "--out", "x",
-                                                                             "--node", "a"]):
+    for args in (["serve"], ["serve", "--help"], ["serve", "--pool", POOL], ["demo"],
+                 ["bench", "--spawn"], ["certs", "--out", "x", "--node", "a"]):
         refused = run(venv / "kvxfer", *args, cwd=venv, check=False)
         assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
         assert "pip install 'kvxfer[daemon]'" in " ".join(refused.stdout.split()), refused.stdout

@@ -181,6 +181,7 @@ def test_hand_off_ends_the_other_side_at_once_when_one_is_refused(pair, refused:
     assert torch.equal(dst.raw, before)
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_transfers_in_both_directions(pair) -> None:
     pre, dec, p, d, src, dst = pair
     fill_random(dst, 2)

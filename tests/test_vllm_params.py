@@ -150,6 +150,7 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
     return params, "layout"
 
 
+@pytest.mark.slow
 def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> None:
     decode = SchedulerSide(load_settings({}), LAYOUT, "D", producer=False, consumer=True, client=None)
     prefill = SchedulerSide(load_settings({}), LAYOUT, "P", producer=True, consumer=False, client=None)

@@ -70,7 +70,12 @@ class UcxEngine:
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
                  error_handling: bool = True) -> None:
         apply_ucx_defaults()
-        from ucxx._lib import libucxx as ucx_api
+        try:
+            from ucxx._lib import libucxx as ucx_api
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"kvxfer's UCX data plane needs ucxx ({exc.name} is missing): pip install "
+                "'kvxfer[ucx]' (the daemon install, 'kvxfer[daemon]', has it)", name=exc.name) from exc
 
         self._api = ucx_api
         self._host = host

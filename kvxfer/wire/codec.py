@@ -1,8 +1,11 @@
 """Protobuf at the edge: kvxfer's types to ``kvxfer.v1`` messages and back.
 
-Everything that crosses the wire between a worker and its daemon, or between
-daemons, is converted here and nowhere else (the peer protocol's own messages
-are in ``kvxfer.server.peer_protocol``). Decoding validates: a descriptor
+Every kvxfer type that crosses the wire (page runs, extents, descriptors and
+their specs, memory handles, leases and lease uses, pool listings, transfer
+status) is converted here and nowhere else, for the worker API and the peer API
+alike. A worker verb's request is its scalar arguments plus these types (the
+library fills it in, the worker servicer reads it); the peer protocol's own
+messages are in ``kvxfer.server.peer_protocol``. Decoding validates: a descriptor
 whose carried views differ from the ones its spec derives is refused
 (InvalidSpecError), so a peer with another layout rule is never misread.
 """

@@ -19,7 +19,7 @@ from kvxfer.errors import KvxferError
 
 DEFAULT_ADDRESS = "unix:///run/kvxfer/kvxfer.sock"
 console = Console()
-#: What ``kvxfer serve`` and ``kvxfer certs`` say in an install without them (the worker's).
+#: What the commands that run daemons (or make certificates) say in the worker install.
 DAEMON_MISSING = ("kvxfer {command} needs the daemon install, which this one is not (the "
                   "worker install holds the client library, the connector and this command): "
                   "pip install 'kvxfer[daemon]'")
@@ -145,18 +145,24 @@ def cmd_transfers(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvxfer.client.bench import run_bench
 
+    if args.spawn and not has_daemon():  # it starts two daemons
+        return cmd_missing(args)
     return run_bench(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvxfer.client.demo import run_demo
 
+    if not has_daemon():  # it starts two daemons
+        return cmd_missing(args)
     return run_demo(args)
 
 
 def cmd_vllm(args: argparse.Namespace) -> int:
     from kvxfer.client.integrations.vllm.command import run_vllm
 
+    if not has_daemon():  # it starts two daemons
+        return cmd_missing(args)
     return run_vllm(args)
 
 
