@@ -16,8 +16,7 @@ fi
 mkdir -p .logs && : >"$LOG"
 [ -x "$VENV/bin/python" ] || step "$LOG" "creating $VENV" "$PYTHON" -m venv "$VENV"
 echo "torch==2.13.0" > "$VENV/constraints.txt"
-step "$LOG" "installing torch==2.13.0 (CPU) into $VENV" \
-  "$VENV/bin/python" -m pip install "${torch_index[@]}" "torch==2.13.0"
+step "$LOG" "installing pip and torch==2.13.0 (CPU) into $VENV" install_torch "$VENV/bin/python"
 step "$LOG" "installing nixl-cu12==1.5.1 into $VENV" \
   "$VENV/bin/python" -m pip install -c "$VENV/constraints.txt" "nixl-cu12==1.5.1" numpy
 echo "$stamp" > "$VENV/.ready"

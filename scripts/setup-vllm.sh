@@ -21,8 +21,7 @@ mkdir -p .logs && : >"$LOG"
 # vLLM must not replace the CPU torch wheel with a CUDA build.
 echo "torch==2.13.0" > "$VENV/constraints.txt"
 pip=("$VENV/bin/python" -m pip install -c "$VENV/constraints.txt")
-step "$LOG" "installing pip and torch==2.13.0 into $VENV" "${pip[@]}" --upgrade "${torch_index[@]}" \
-  pip "torch==2.13.0"
+step "$LOG" "installing pip and torch==2.13.0 (CPU) into $VENV" install_torch "$VENV/bin/python"
 step "$LOG" "installing $VLLM (about 2 min the first time)" "${pip[@]}" "$VLLM"
 # Their wheels are CUDA builds that fail at import; vLLM runs without them.
 step "$LOG" "removing torchvision, torchaudio, torchcodec (CUDA builds)" \

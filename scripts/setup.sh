@@ -15,8 +15,7 @@ if [ -f .venv/.kvxfer-ready ] && [ "$(cat .venv/.kvxfer-ready)" = "$stamp" ]; th
 fi
 mkdir -p .logs && : >"$LOG"
 [ -x .venv/bin/python ] || step "$LOG" "creating .venv" "$PYTHON" -m venv .venv
-step "$LOG" "installing pip and torch==2.13.0 (CPU)" \
-  .venv/bin/python -m pip install --upgrade "${torch_index[@]}" pip "torch==2.13.0"
+step "$LOG" "installing pip and torch==2.13.0 (CPU)" install_torch .venv/bin/python
 step "$LOG" "installing kvxfer, kvxfer-client and kvxfer-server (editable, with the dev tools)" \
   .venv/bin/python -m pip install -e ".[dev]" -e "./client[vllm]" -e ./server
 echo "$stamp" > .venv/.kvxfer-ready
