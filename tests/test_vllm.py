@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +52,41 @@ def log_tails(workdir: Path, chars: int = 3000) -> str:
                    for log in sorted(workdir.rglob("*.log")))
 
 
+#: How many generated params (refused or not asked for, by the oracle) the decode engine gets.
+SAMPLED = 12
+
+
+def params_sample(count: int) -> list[tuple[Any, str]]:
+    """``count`` params that ``test_vllm_params``'s strategy generates with a fixed seed,
+    and what its oracle predicts for each: those it predicts no load for (a load needs a
+    real offer), and that JSON can carry."""
+    from hypothesis import given, settings
+    from test_vllm_params import cases
+
+    found: list[tuple[Any, str]] = []
+
+    @settings(max_examples=2000, database=None, derandomize=True)
+    @given(case=cases())
+    def collect(case: tuple[Any, str]) -> None:
+        params, outcome = case
+        if len(found) < count and outcome in ("none", "malformed", "version", "layout"):
+            try:
+                json.dumps(params, allow_nan=False)
+            except (TypeError, ValueError):
+                return
+            found.append(case)
+
+    collect()
+    return found
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One engine per role, and the negative controls."""
-    return scenario(tmp_path_factory)
+    """One engine per role, the negative controls, and the trust phase (with a sample of
+    generated params)."""
+    sample = tmp_path_factory.mktemp("params") / "sample.json"
+    sample.write_text(json.dumps(params_sample(SAMPLED)))
+    return scenario(tmp_path_factory, "--params-sample", str(sample))
 
 
 @pytest.fixture(scope="module")
@@ -175,8 +207,24 @@ def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run
     trust, base = run["trust"], run["baseline_trust"]
     assert [same_as_plain(trust, base, a) for a in trust["malformed"]] == ["", "", ""]
     log = trust["decode_log"]
-    assert log.count("(params malformed:") == 3 and "kvxfer.num_tokens: Extra inputs" in log
+    assert "kvxfer.num_tokens: Extra inputs" in log  # the counts: the next test
     assert trust["healthy_after_forgeries"]
+
+
+def test_generated_params_through_the_decode_engine_meet_the_oracle(run) -> None:
+    """A sample of test_vllm_params' generated params (no load predicted: a load needs a
+    real offer), each straight to the decode engine: the plain engine's answer every time,
+    and the log's refusals by reason are the hand-written cases' plus the oracle's."""
+    trust, base = run["trust"], run["baseline_trust"]
+    sampled = trust["sampled"]
+    assert len(sampled) == SAMPLED
+    assert [same_as_plain(trust, base, a) for a in sampled] == [""] * SAMPLED
+    predicted = Counter(a["predicted"] for a in sampled)
+    assert predicted["malformed"] and predicted["layout"], predicted  # the sample has both
+    hand_written = {"malformed": 3, "version": 1, "layout": 0}
+    log = trust["decode_log"]
+    assert {reason: log.count(f"(params {reason}:") for reason in hand_written} == {
+        reason: count + predicted[reason] for reason, count in hand_written.items()}
 
 
 def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
@@ -194,7 +242,7 @@ def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
     assert log.count("holds KV computed from another prompt than the puller's") == 1
     assert log.count("here is open to this caller") == 3  # replayed, altered id, capability
     assert trust["dials_refused"] == 1 and "outside this daemon's dial_allow" in log
-    assert log.count("(params version:") == 1 and "version int 2; this connector reads version 1" in log
+    assert "(params version: params version int 2; this connector reads version 1)" in log
 
 
 def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:

@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("workdir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--no-controls", dest="controls", action="store_false")
+    parser.add_argument("--params-sample", help="JSON [[params, predicted outcome], ...] the "
+                                                "trust phase sends to the decode engine")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     model = str(build(str(workdir / "model")))
@@ -109,7 +111,8 @@ def main() -> None:
                 records = path.read_text().splitlines() if path.exists() else []
                 out[f"{side}_stats"] = [json.loads(line) for line in records]
             if args.controls:
-                out["trust"] = vllm_trust_phase.run(d, model)
+                sample = json.loads(Path(args.params_sample).read_text()) if args.params_sample else []
+                out["trust"] = vllm_trust_phase.run(d, model, sample)
                 out["trust"]["leased_pages_at_end"] = leased_pages_settled(d)
                 assert d.decode is not None
                 out["trust"]["decode_log"] = d.decode.log()[-200_000:]

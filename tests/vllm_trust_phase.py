@@ -265,10 +265,19 @@ def resume(phase: Phase, router: Router, waves: Any, since: float,
     return None
 
 
-def run(d: Disaggregation, model: str) -> dict[str, Any]:
+def sampled_cases(phase: Phase, sample: list[tuple[Any, str]]) -> None:
+    """Generated params (``test_vllm_params``' strategy) straight to the decode engine, each
+    with one of the M prompts; what the oracle predicted for each is kept beside the answer."""
+    phase.out["sampled"] = [
+        {"predicted": outcome, **phase.direct(f"M{i % 3}", params, f"sampled-{i}")}
+        for i, (params, outcome) in enumerate(sample)]
+
+
+def run(d: Disaggregation, model: str, sample: list[tuple[Any, str]]) -> dict[str, Any]:
     """Every case, in order; what each answered."""
     phase = Phase(d, model)
     forged_cases(phase)
+    sampled_cases(phase, sample)
     aborted_case(phase)
     with Router(d) as router:
         restart_cases(phase, router)
