@@ -291,6 +291,49 @@ def test_negative_control_without_the_version_check_any_hello_is_taken(
     assert hello_from_request(handshake(2)).session_id == "v2"
 
 
+def answering_version(version: int) -> Any:
+    """The peer servicer's answer to a handshake, as a daemon of ``version`` would give it."""
+    from kvxfer.server.peer_protocol import hello_to_response
+
+    def answer(hello: Any) -> pb.HandshakeResponse:
+        response = hello_to_response(hello)
+        response.protocol_version = version
+        return response
+    return answer
+
+
+def test_a_peer_answering_another_protocol_version_is_refused_and_the_pull_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon answers a handshake as version 2 (both daemons' peer servicers patched): the
+    prefill daemon, which opens the session to push a pull's pages, refuses that answer,
+    naming both versions; the transfer fails (a vLLM request then computes its prompt) and
+    nothing is delivered."""
+    monkeypatch.setattr("kvxfer.server.servicers.peer.hello_to_response", answering_version(2))
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            offer = sender.transfers.offer("v2-peer", "kv", SRC, 10, False)
+            receiver.transfers.pull("v2-peer", sender.peer_address, "kv", DST, 10,
+                                    capability=offer.capability)
+            offered = sender.transfers.registry.get("v2-peer")
+            got = await sender.final("v2-peer")
+            assert isinstance(got.failure, ProtocolVersionError), got.error
+            assert "version 2" in got.error and "version 1" in got.error
+            assert offered.state == TransferState.FAILED and not delivered(sender, receiver)
+    run(body)
+
+
+def test_negative_control_without_the_answers_version_check_the_pull_completes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvxfer.server.servicers.peer.hello_to_response", answering_version(2))
+    monkeypatch.setattr("kvxfer.server.peer_protocol.check_version", lambda theirs: None)
+
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            assert (await pull(sender, receiver, "v2-peer")).ok and delivered(sender, receiver)
+    run(body)
+
+
 def test_a_verb_through_a_mapping_of_an_earlier_daemon_is_refused(tmp_path: Path) -> None:
     async def body() -> None:
         async with daemons(tmp_path) as (sender, _):
