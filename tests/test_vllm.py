@@ -91,8 +91,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def run_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every engine with two tensor-parallel ranks (a transfer per rank); no controls."""
-    return scenario(tmp_path_factory, "--tp", "2", "--no-controls")
+    """Every engine with two tensor-parallel ranks (a transfer per rank); no controls; the
+    decode engine's ``kv_load_failure_policy`` is ``fail`` (every transfer of it succeeds
+    but the one ``fail_policy_case`` breaks)."""
+    return scenario(tmp_path_factory, "--tp", "2", "--no-controls", "--failure-policy", "fail")
 
 
 def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
@@ -255,6 +257,30 @@ def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
     assert trust["after_abandoned_gauges"] == {
         "num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0,
     }, (trust["before_abandoned_gauges"], trust["after_abandoned_gauges"])
+
+
+def test_with_policy_fail_a_failed_load_is_a_clean_error_and_the_engine_serves_on(run_tp2) -> None:
+    """vLLM's default policy: a load refused (a wrong capability on both ranks, straight to
+    the decode engine) answers HTTP 500 instead of an answer from KV that is not the prompt's;
+    the engine stays healthy, runs no request, and the same prompt asked without params
+    afterwards is the plain engine's answer (the failed load left nothing in its prefix
+    cache)."""
+    fail, base = run_tp2["fail_policy"], {"F": run_tp2["baseline_fail"]}
+    assert "HTTP 500" in fail["failed_load"].get("error", ""), fail["failed_load"]
+    assert same_as_plain({}, base, fail["plain_after"]) == ""
+    assert fail["healthy_after"] and fail["running_after"] == 0
+
+
+def test_no_log_holds_a_capability_with_request_logging_on(run) -> None:
+    """Both engines run with --enable-log-requests: the decode engine's request logger wrote
+    the params of the requests sent to it, with their capabilities redacted by kvxfer's vLLM
+    plugin (``kvxfer_redaction``), and no log of the deployment (engines, daemons, proxy,
+    vllm-router) holds any capability a prefill answer carried."""
+    logged = run["trust"]["capabilities_logged"]
+    assert logged["minted"] >= 9
+    assert logged["decode_params_logged"] >= logged["minted"]
+    assert logged["decode_redacted"] >= logged["minted"]
+    assert {log: n for log, n in logged["found"].items() if n} == {}, logged["found"]
 
 
 def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> None:

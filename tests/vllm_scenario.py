@@ -1,6 +1,7 @@
 """Drive real vLLM servers through kvxfer and report what they answered (run by test_vllm.py).
 
 usage: .venv-vllm/bin/python tests/vllm_scenario.py WORKDIR [--tp N] [--no-controls]
+                                                       [--failure-policy fail]
 
 Runs under the vLLM environment: builds the tiny model, starts a single-engine
 baseline beside a disaggregated deployment (two kvxfer daemons, a prefill and
@@ -12,7 +13,11 @@ connector's per-transfer records. The decode daemon is the tests' fault double
 "corrupt"; requests of the negative controls are named so (X-Request-Id). Then
 the trust phase (``vllm_trust_phase.py``): malformed and forged params, daemons
 killed and restarted. ``--tp 2`` runs every engine with two tensor-parallel
-ranks; ``--no-controls`` leaves the negative controls and the trust phase out.
+ranks; ``--no-controls`` leaves the negative controls and the trust phase out;
+``--failure-policy fail`` gives the decode engine that ``kv_load_failure_policy`` and
+ends with a load that fails (``vllm_trust_phase.fail_policy_case``). With the controls,
+both engines log requests (``--enable-log-requests``), and the trust phase counts the
+capabilities their logs hold.
 test_vllm.py asserts on the output.
 """
 
@@ -59,6 +64,7 @@ def main() -> None:
     parser.add_argument("workdir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--no-controls", dest="controls", action="store_false")
+    parser.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute")
     parser.add_argument("--params-sample", help="JSON [[params, predicted outcome], ...] the "
                                                 "trust phase sends to the decode engine")
     args = parser.parse_args()
@@ -78,6 +84,8 @@ def main() -> None:
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
                             daemon_args=["--dial-allow", "127.0.0.1/32"],
+                            engine_args=["--enable-log-requests"] if args.controls else [],
+                            failure_policy=args.failure_policy,
                             decode_daemon_launcher=[sys.executable, str(HERE / "corrupting_daemon.py"),
                                                     "corrupt"]) as d:
             baseline.wait_ready()
@@ -88,6 +96,10 @@ def main() -> None:
                 answers = ask_all(baseline.client, model, list(vllm_trust_phase.PROMPTS.values()),
                                   "base-trust", top=vllm_trust_phase.TOP)
                 out["baseline_trust"] = dict(zip(names, answers))
+            if args.failure_policy == "fail":
+                with baseline.client() as http:
+                    out["baseline_fail"] = ask(http, model, vllm_trust_phase.PROMPTS["F"],
+                                               "base-fail", top=vllm_trust_phase.TOP)
             baseline.stop()
             out["before"] = counters(d, model)
             out["disaggregated"] = ask_all(d.client, model, sets["A"], "pd")
@@ -110,12 +122,15 @@ def main() -> None:
                 path = workdir / f"{side}-stats.jsonl"
                 records = path.read_text().splitlines() if path.exists() else []
                 out[f"{side}_stats"] = [json.loads(line) for line in records]
+            if args.failure_policy == "fail":
+                out["fail_policy"] = vllm_trust_phase.fail_policy_case(d, model)
             if args.controls:
                 sample = json.loads(Path(args.params_sample).read_text()) if args.params_sample else []
                 out["trust"] = vllm_trust_phase.run(d, model, sample)
                 out["trust"]["leased_pages_at_end"] = leased_pages_settled(d)
                 assert d.decode is not None
-                out["trust"]["decode_log"] = d.decode.log()[-200_000:]
+                out["trust"]["decode_log"] = "\n".join(  # all but the request logger's lines
+                    line for line in d.decode.log().splitlines() if "request_logger" not in line)
     finally:
         baseline.stop()
     print(json.dumps(out))

@@ -104,6 +104,8 @@ class Phase:
         assert d.decode is not None and d.prefill is not None
         self.d, self.model = d, model
         self.out: dict[str, Any] = {}
+        #: Every capability a prefill answer carried (a secret no log may hold).
+        self.capabilities: list[str] = []
 
     def direct(self, name: str, params: dict[str, Any] | None, case: str) -> dict[str, Any]:
         """``PROMPTS[name]`` straight to the decode engine with ``params``."""
@@ -133,6 +135,7 @@ class Phase:
                 "kv_transfer_params": {"do_remote_decode": True}})
             reply.raise_for_status()
             params: dict[str, Any] = reply.json()["kv_transfer_params"]
+            self.capabilities.extend(params["kvxfer"]["capabilities"])
             return params
 
     def healthy(self) -> bool:
@@ -273,6 +276,34 @@ def sampled_cases(phase: Phase, sample: list[tuple[Any, str]]) -> None:
         for i, (params, outcome) in enumerate(sample)]
 
 
+def capabilities_logged(phase: Phase) -> dict[str, Any]:
+    """How many of the capabilities the phase saw each log of the deployment holds (engines
+    run with ``--enable-log-requests``), and how many redacted values the decode engine's
+    log holds (its request logger wrote the params, with their capabilities redacted)."""
+    logs = {str(path.relative_to(phase.d.workdir)): path.read_text(errors="replace")
+            for path in sorted(phase.d.workdir.rglob("*.log"))}
+    return {"minted": len(phase.capabilities),
+            "found": {name: sum(cap in text for cap in phase.capabilities)
+                      for name, text in logs.items()},
+            "decode_params_logged": logs.get("decode.log", "").count("'kv_transfer_params'"),
+            "decode_redacted": logs.get("decode.log", "").count("<redacted>")}
+
+
+def fail_policy_case(d: Disaggregation, model: str) -> dict[str, Any]:
+    """With ``kv_load_failure_policy: fail`` on the decode engine: a load refused (a wrong
+    capability) answers an HTTP error instead of a wrong answer, the engine stays healthy,
+    and the prompt asked again without params is answered as a plain engine would (no
+    poisoned prefix cache)."""
+    phase = Phase(d, model)
+    params = phase.prefilled("F", "fail-source")
+    params["kvxfer"]["capabilities"] = ["0" * 32 for _ in params["kvxfer"]["capabilities"]]
+    phase.out["failed_load"] = phase.direct("F", params, "fail-wrong-capability")
+    phase.out["plain_after"] = phase.direct("F", None, "fail-plain-after")
+    phase.out["healthy_after"] = phase.healthy()
+    phase.out["running_after"] = engine_gauge(phase, "num_requests_running")
+    return phase.out
+
+
 def run(d: Disaggregation, model: str, sample: list[tuple[Any, str]]) -> dict[str, Any]:
     """Every case, in order; what each answered."""
     phase = Phase(d, model)
@@ -281,4 +312,5 @@ def run(d: Disaggregation, model: str, sample: list[tuple[Any, str]]) -> dict[st
     aborted_case(phase)
     with Router(d) as router:
         restart_cases(phase, router)
+    phase.out["capabilities_logged"] = capabilities_logged(phase)
     return phase.out

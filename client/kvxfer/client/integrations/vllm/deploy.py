@@ -117,7 +117,8 @@ class VllmServer:
 
     def __init__(self, name: str, model: str, workdir: Path, *, port: int | None = None,
                  kv_transfer: dict[str, Any] | None = None, max_model_len: int = 1024,
-                 tp: int = 1, env: dict[str, str] | None = None) -> None:
+                 tp: int = 1, env: dict[str, str] | None = None,
+                 extra_args: list[str] | None = None) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         socket = workdir / f"{name}.http.sock"
@@ -128,6 +129,7 @@ class VllmServer:
             *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", model_dtype(model),
             "--max-model-len", str(max_model_len), "--seed", "0", "--tensor-parallel-size", str(tp),
             *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []),
+            *(extra_args or []),
         ]
         binding = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp)} if tp > 1 else {}
         self.env = {**binding, **os.environ, **LOOPBACK_ENV, **ENGINE_ENV, **(env or {})}
@@ -209,13 +211,16 @@ class Disaggregation:
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
     ``decode_daemon_launcher`` is the command that starts the decode daemon with ``serve``'s
     arguments (the tests' fault double; default ``kvxfer``); ``daemon_args`` are more
-    ``kvxfer serve`` flags for both daemons; ``ports`` are the proxy's, the prefill's and the
-    decode engine's (None: unix sockets in ``workdir``).
+    ``kvxfer serve`` flags for both daemons; ``engine_args`` are more ``vllm serve`` flags
+    for both engines; ``failure_policy`` is the decode engine's ``kv_load_failure_policy``;
+    ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix sockets in
+    ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
                  tp: int = 1, decode_daemon_launcher: list[str] | None = None,
-                 daemon_args: list[str] | None = None,
+                 daemon_args: list[str] | None = None, engine_args: list[str] | None = None,
+                 failure_policy: str = "recompute",
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
         self.workdir = workdir
@@ -224,6 +229,8 @@ class Disaggregation:
         self.verify = verify
         self.decode_daemon_launcher = decode_daemon_launcher
         self.daemon_args = daemon_args or []
+        self.engine_args = engine_args or []
+        self.failure_policy = failure_policy
         self.ports = ports
         self._stack = ExitStack()
         self.proxy_address = ""
@@ -253,13 +260,16 @@ class Disaggregation:
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
                         launcher=self.decode_daemon_launcher, tls=tls, extra_args=self.daemon_args))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
+                                  extra_args=self.engine_args,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,
                                       verify=self.verify,
                                       stats_file=str(workdir / "prefill-stats.jsonl")))
         self.decode = VllmServer("decode", self.model, workdir, port=decode_port, tp=self.tp,
+                                 extra_args=self.engine_args,
                                  kv_transfer=connector_config(
                                      "kv_consumer", self.decode_daemon.worker_address,
+                                     failure_policy=self.failure_policy,
                                      stats_file=str(workdir / "decode-stats.jsonl")))
         for engine in (self.prefill, self.decode):  # both start at once: imports dominate
             self._stack.callback(engine.stop)
