@@ -24,6 +24,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     PageOutOfRangeError,
     PoolNotFoundError,
+    StaleArenaError,
     TransferExistsError,
 )
 from kvxfer.layout import PoolLayout
@@ -188,6 +189,22 @@ def test_a_daemon_killed_by_its_launcher_leaves_nothing_in_its_shm_dir(spawn, tm
     assert Path(memory.shm.path).parent == shm_dir
     d.kill()
     assert list(shm_dir.iterdir()) == []
+
+
+def test_a_clients_verbs_name_its_mapping_so_a_restarted_daemon_refuses_them(spawn) -> None:
+    """The library sends the epoch of its latest attach with every transfer verb: after a
+    restart, an offer of pages written through the old mapping is refused (nothing of it is
+    registered), and accepted once the client has attached again."""
+    d = spawn("a", [TINY])
+    with KvxferClient(d.worker_address) as kv:
+        kv.attach("kv").detach()
+        assert kv.offer("before", "kv", PageRuns.of([(0, 1)]), timeout_s=5).state.name == "WAITING"
+        d.restart()
+        with pytest.raises(StaleArenaError, match="restarted since"):
+            kv.offer("stale", "kv", PageRuns.of([(0, 1)]), timeout_s=5)
+        assert [t.transfer_id for t in kv.transfers()] == []
+        kv.attach("kv").detach()
+        assert kv.offer("again", "kv", PageRuns.of([(0, 1)]), timeout_s=5).state.name == "WAITING"
 
 
 def test_sigint_also_shuts_down_cleanly(spawn) -> None:

@@ -23,6 +23,8 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
+from kvxfer.status import LeaseUse
+from kvxfer.wire.codec import lease_use_to_proto
 
 
 @dataclass
@@ -113,7 +115,8 @@ def test_after_a_daemon_restart_the_engines_reattach_and_the_kv_is_right(engines
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, side,
                                                                         monkeypatch) -> None:
-    """The guard switched off (``_current`` keeps the old mapping, no epoch on the verbs):
+    """The guard switched off (``_current`` keeps the old mapping, no epoch on the verbs,
+    not even the library's default):
     the restarted daemon moves memory the engine never wrote, or fills memory it never reads."""
     completions = KvxferClient.completions
     monkeypatch.setattr(WorkerSide, "_current", lambda self, epoch: None)
@@ -121,6 +124,8 @@ def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, 
         completions(self, *args, **kwargs), epoch=""))
     for worker in (engines.work_p, engines.work_d):
         monkeypatch.setattr(worker, "_epoch", "")
+    monkeypatch.setattr(KvxferClient, "_lease", lambda self, pool, lease_id, release, epoch:
+                        lease_use_to_proto(LeaseUse(lease_id, release, "")))
     (engines.dec if side == "decode" else engines.pre).restart()
     engines.fresh_kv(5)
     equal, errors = engines.hand_off("after", [4, 9], [5, 6])

@@ -46,10 +46,6 @@ from kvxfer.wire.status import from_rpc_error
 T = TypeVar("T")
 
 
-def _lease(lease_id: str, release_lease: bool, arena_epoch: str) -> pb.LeaseUse:
-    return lease_use_to_proto(LeaseUse(lease_id, release_lease, arena_epoch))
-
-
 class AttachedPool:
     """A pool of the daemon mapped into this process, with its per-layer views.
 
@@ -124,6 +120,12 @@ class KvxferClient:
 
     Every call carries the caller's current OpenTelemetry trace context, so a transfer's
     spans on both daemons join the engine's trace of the request.
+
+    A transfer verb's ``arena_epoch`` defaults to the memory epoch of this client's latest
+    ``attach`` of the verb's pool: pages written or read through that mapping are refused
+    (StaleArenaError) once the daemon has restarted, until the client attaches again. A
+    client that never attached the pool sends none unless told (the daemon then cannot
+    check it).
     """
 
     def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
@@ -132,6 +134,7 @@ class KvxferClient:
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KvxferStub(self._channel)
         self._health_check = health_check(self._channel)
+        self._mapped_epochs: dict[str, str] = {}
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
         try:
@@ -162,7 +165,13 @@ class KvxferClient:
     def attach(self, pool: str) -> AttachedPool:
         """Map ``pool``'s memory and build its views (same node only)."""
         descriptor, memory = self.describe(pool)
-        return AttachedPool(descriptor, memory)
+        attached = AttachedPool(descriptor, memory)
+        self._mapped_epochs[pool] = attached.epoch
+        return attached
+
+    def _lease(self, pool: str, lease_id: str, release_lease: bool, arena_epoch: str) -> pb.LeaseUse:
+        epoch = arena_epoch or self._mapped_epochs.get(pool, "")
+        return lease_use_to_proto(LeaseUse(lease_id, release_lease, epoch))
 
     def health(self, service: str = "") -> str:
         """The daemon's health status name (SERVING, NOT_SERVING, ...)."""
@@ -192,7 +201,7 @@ class KvxferClient:
         side as a secret. A push without it is refused, and cannot fill these pages."""
         req = pb.ExpectRequest(transfer_id=transfer_id, pool=pool,
                                dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                               lease=_lease(lease_id, release_lease, arena_epoch),
+                               lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                                peer_identity=peer_identity,
                                wait=wait)
         return self._verb(self._stub.Expect, req, timeout_s, wait)
@@ -206,7 +215,7 @@ class KvxferClient:
         transfer with NOT_FOUND); with ``wait``, answer when the transfer is final."""
         req = pb.PushRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                              peer=peer, timeout_s=timeout_s, verify=verify,
-                             lease=_lease(lease_id, release_lease, arena_epoch),
+                             lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                              capability=capability, wait=wait)
         return self._verb(self._stub.Push, req, timeout_s, wait)
 
@@ -223,7 +232,7 @@ class KvxferClient:
         computed from) must equal the pull's."""
         req = pb.OfferRequest(transfer_id=transfer_id, pool=pool, src_runs=runs_to_proto(src_runs),
                               timeout_s=timeout_s, verify=verify,
-                              lease=_lease(lease_id, release_lease, arena_epoch),
+                              lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                               peer_identity=peer_identity, wait=wait, prompt_digest=prompt_digest)
         return self._verb(self._stub.Offer, req, timeout_s, wait)
 
@@ -239,7 +248,7 @@ class KvxferClient:
         other peer may fill it; with ``wait``, answer when it is final."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
-                             lease=_lease(lease_id, release_lease, arena_epoch),
+                             lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                              peer_identity=peer_identity, wait=wait, capability=capability,
                              prompt_digest=prompt_digest)
         return self._verb(self._stub.Pull, req, timeout_s, wait)
