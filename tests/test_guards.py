@@ -34,7 +34,7 @@ from kvxfer.errors import (
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.dial_policy import DialPolicy
-from kvxfer.server.peer_protocol import PeerAbort, hello_from_request
+from kvxfer.server.peer_protocol import Claim, Commit, PeerAbort, hello_from_request
 from kvxfer.server.tls import Caller
 from kvxfer.status import LeaseUse, TransferInfo, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
@@ -182,6 +182,37 @@ def test_negative_control_without_the_capability_check_anyone_aborts_an_offer(
             offer = sender.transfers.offer("mine", "kv", SRC, 10, False)
             sender.transfers.abort_from_peer(PeerAbort("mine", "", "eve"), STRANGER)
             assert offer.state == TransferState.ABORTED
+    run(body)
+
+
+def test_a_peer_learns_nothing_of_which_transfer_ids_exist(tmp_path: Path) -> None:
+    """From a session of its own, a peer that does not hold a transfer gets one answer, word
+    for word, whatever it tries: a claim without the capability, a commit of a transfer
+    its session did not claim, an abort without the capability; for an id registered here
+    and for one that is not."""
+    async def body() -> None:
+        async with daemons(tmp_path) as (sender, receiver):
+            assert (await pull(sender, receiver, "opens-a-session")).ok
+            assert receiver.daemon.sessions is not None and receiver.transfers is not None
+            session = next(iter(receiver.daemon.sessions._inbound.values()))
+            receiver.transfers.expect("held", "kv", DST, 10)  # registered, not the peer's
+            answers: dict[str, list[str]] = {}
+            for tid in ("held", "nobody-registered"):
+                attempts = {
+                    "claim": receiver.transfers.claim(Claim(tid, session.session_id, "kv", SRC,
+                                                            False, 0, 1, "f" * 32), session.caller),
+                    "commit": receiver.transfers.commit(Commit(tid, session.session_id, ()),
+                                                        session.caller),
+                }
+                for verb, attempt in attempts.items():
+                    with pytest.raises(TransferNotFoundError) as refused:
+                        await attempt
+                    answers.setdefault(verb, []).append(str(refused.value).replace(tid, "ID"))
+                with pytest.raises(TransferNotFoundError) as refused:
+                    receiver.transfers.abort_from_peer(PeerAbort(tid, "", "eve", "f" * 32), STRANGER)
+                answers.setdefault("abort", []).append(str(refused.value).replace(tid, "ID"))
+            everything = {answer for pair in answers.values() for answer in pair}
+            assert everything == {"no transfer 'ID' here is open to this caller"}, answers
     run(body)
 
 

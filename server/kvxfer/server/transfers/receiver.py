@@ -31,7 +31,6 @@ from kvxfer.errors import (
     KvxferError,
     PeerNotAllowedError,
     TransferExistsError,
-    TransferNotFoundError,
 )
 from kvxfer.integrity import checksum
 from kvxfer.local_copy import PeerArena, copy_in_threads
@@ -188,14 +187,16 @@ class Receiver:
 
     async def commit(self, commit: Commit, caller: Caller) -> TransferInfo:
         """The sender sent everything; wait for the bytes, verify, and answer with the end.
+        A transfer this session did not claim (or no such transfer) is the same NOT_FOUND as
+        any id not open to the caller.
 
         Only verifying senders call this, but answering any sender works: an
         unverified transfer is already final here once its bytes arrived.
         """
         self._sessions.inbound(commit.session_id, caller)
-        t = self._registry.get(commit.transfer_id)
-        if t.role != TransferRole.RECEIVER or t.session_id != commit.session_id:
-            raise TransferNotFoundError(f"transfer {t.id!r} is not being received from this session")
+        t = self._registry.find(commit.transfer_id)
+        if t is None or t.role != TransferRole.RECEIVER or t.session_id != commit.session_id:
+            raise not_open_to_caller(commit.transfer_id)  # no hint of which ids exist
         with self._registry.tracing.phase(t, "commit", in_call=True):
             try:
                 await asyncio.wait_for(t.arrived.wait(), t.remaining() + 0.1)
