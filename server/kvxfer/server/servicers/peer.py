@@ -2,20 +2,18 @@
 
 Every call is made by a ``Caller`` (its certificate names under mutual TLS), and
 every action that opens a session or touches a transfer leaves one audit line
-(logger ``kvxfer.audit``): who, what, which transfer and session, and the
-outcome: ``ok`` or the status it was refused with.
+(``kvxfer.server.audit``).
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager as ContextManager
 from typing import Any
 
 import grpc
 
-from kvxfer.errors import KvxferError
+from kvxfer.server.audit import audited
 from kvxfer.server.peer_protocol import (
     abort_from_proto,
     claim_from_proto,
@@ -33,22 +31,10 @@ from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import info_to_proto
 
 Context = grpc.aio.ServicerContext[Any, Any]
-audit = logging.getLogger("kvxfer.audit")
 
 
-@contextmanager
-def _audited(caller: Caller, action: str, transfer_id: str, session_id: str) -> Iterator[None]:
-    """One audit line for the action inside: ``ok``, or how it was refused."""
-    subject = f"peer={caller.name!r} {action} transfer={transfer_id[:80]!r} session={session_id[:8]}"
-    try:
-        yield
-    except KvxferError as exc:
-        audit.info("%s: refused %s: %s", subject, exc.code, exc)
-        raise
-    except BaseException as exc:
-        audit.info("%s: failed %s", subject, type(exc).__name__)
-        raise
-    audit.info("%s: ok", subject)
+def _audited(caller: Caller, action: str, transfer_id: str, session_id: str) -> ContextManager[None]:
+    return audited(f"peer={caller.name!r}", action, transfer_id, session_id)
 
 
 class PeerService(pb_grpc.KvxferPeerServicer):

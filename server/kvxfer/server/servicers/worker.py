@@ -1,5 +1,5 @@
 """The worker API (``kvxfer.v1.Kvxfer``): pools, descriptors, attach handles, page leases,
-transfer verbs and completions."""
+transfer verbs and completions. An abort leaves an audit line (``kvxfer.server.audit``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.server.audit import audited
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
 from kvxfer.server.transfers.coordinator import TransferCoordinator
@@ -104,7 +105,8 @@ class WorkerService(pb_grpc.KvxferServicer):
         return info_to_proto(t.info())
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.TransferStatus:
-        t = self._transfers.abort(request.transfer_id, request.reason)
+        with audited(f"worker={context.peer()!r}", "abort", request.transfer_id):
+            t = self._transfers.abort(request.transfer_id, request.reason)
         return info_to_proto(t.info())
 
     async def ListTransfers(self, request: pb.ListTransfersRequest,
