@@ -27,6 +27,7 @@ from inprocess import Side, run, side
 from kvxfer.certs import issue_certs
 from kvxfer.errors import (
     DialNotAllowedError,
+    InvalidSpecError,
     PromptMismatchError,
     ProtocolVersionError,
     StaleArenaError,
@@ -233,6 +234,19 @@ def test_a_peer_outside_the_dial_policy_is_never_dialled(tmp_path: Path) -> None
     run(body)
 
 
+def test_a_peer_at_a_port_outside_dial_ports_is_never_dialled(tmp_path: Path) -> None:
+    """An allowed host, but not at the daemons' peer port: refused before any connection,
+    counted, and the offer never asked for."""
+    async def body() -> None:
+        async with daemons(tmp_path, dial_ports=["1-2"]) as (sender, receiver):
+            got = await pull(sender, receiver, "other-service")
+            assert isinstance(got.failure, DialNotAllowedError), got.error
+            assert "outside this daemon's dial_ports (1-2)" in got.error
+            assert receiver.daemon.metrics.dials_refused._value.get() == 1
+            assert requests_push_seen(sender) == 0 and not delivered(sender, receiver)
+    run(body)
+
+
 def test_negative_control_without_the_dial_policy_the_peer_is_dialled(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async def allow(self: object, address: str) -> None:
@@ -376,6 +390,29 @@ def test_a_verb_through_a_mapping_of_an_earlier_daemon_is_refused(tmp_path: Path
             current = sender.transfers.offer("current", "kv", SRC, 10, False, LeaseUse(arena_epoch=epoch))
             assert current.state == TransferState.WAITING
     run(body)
+
+
+@pytest.mark.parametrize(("address", "allowed"), [
+    ("127.0.0.1:7500", True), ("127.0.0.1:7510", True), ("[::1]:7505", True), ("127.0.0.1", True),
+    ("127.0.0.1:7499", False), ("127.0.0.1:22", False), ("[::1]:7511", False),
+    ("localhost:6379", False)])
+def test_dial_ports_limit_the_port_and_a_bare_ucx_host_passes(address: str, allowed: bool) -> None:
+    policy = DialPolicy(["127.0.0.1/32", "::1/128"], ["7500-7510"])
+
+    async def check() -> None:
+        await policy.check(address)
+
+    if allowed:
+        run(check)
+    else:
+        with pytest.raises(DialNotAllowedError, match=r"outside this daemon's dial_ports \(7500-7510\)"):
+            run(check)
+
+
+@pytest.mark.parametrize("ports", [["0"], ["7510-7500"], ["http"], ["70000"], ["1-2-3"]])
+def test_dial_ports_that_are_not_ports_are_refused_at_start(ports: list[str]) -> None:
+    with pytest.raises(InvalidSpecError, match="dial_ports .* is not a port or a range"):
+        DialPolicy(["127.0.0.1/32"], ports)
 
 
 @pytest.mark.parametrize(("address", "allowed"), [

@@ -40,7 +40,7 @@ from pydantic_settings import (
 from kvxfer.errors import InvalidSpecError, KvxferError
 from kvxfer.layout import PoolSpec
 from kvxfer.layout.kinds import spec_from_mapping
-from kvxfer.server.dial_policy import LOOPBACK, parse_networks
+from kvxfer.server.dial_policy import LOOPBACK, parse_networks, parse_ports
 from kvxfer.server.limits import MIN_CHUNK_BYTES, Limits
 
 #: The config file of the load in progress (read by the file source below).
@@ -144,6 +144,10 @@ class DaemonConfig(BaseSettings):
         list(LOOPBACK), "the only networks (CIDRs or addresses) this daemon dials as peers; a "
         "pull names its peer, so the address is client input; repeatable (default: loopback "
         "only; a name must resolve to allowed addresses only)")
+    dial_ports: list[str] = _setting(
+        [], "the only ports this daemon dials peers at (a port, or a range LOW-HIGH), so that "
+        "a pull cannot aim it at another service of an allowed host; repeatable (default: any "
+        "port; set it to your daemons' peer port)")
     insecure_peer: bool = _setting(
         False, "serve the peer API in plaintext on an address other machines can reach "
                "(without it, a plaintext peer API binds only to loopback)")
@@ -214,6 +218,18 @@ class DaemonConfig(BaseSettings):
     @classmethod
     def _networks(cls, values: list[str]) -> list[str]:
         parse_networks(values)
+        return values
+
+    @field_validator("dial_ports", mode="before")
+    @classmethod
+    def _port_numbers(cls, values: Any) -> Any:
+        """Ports written as numbers (YAML ``[7500]``) are ports too."""
+        return [str(v) if isinstance(v, int) else v for v in values] if isinstance(values, list) else values
+
+    @field_validator("dial_ports")
+    @classmethod
+    def _ports(cls, values: list[str]) -> list[str]:
+        parse_ports(values)
         return values
 
     @model_validator(mode="before")

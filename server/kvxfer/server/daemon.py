@@ -139,7 +139,7 @@ class Daemon:
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
         self.transport: Transport | None = None
-        self._clients = PeerClients(self.metrics, self._tls, DialPolicy(config.dial_allow),
+        self._clients = PeerClients(self.metrics, self._tls, DialPolicy(config.dial_allow, config.dial_ports),
                                     frozenset(config.peer_allow))
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None

@@ -2,7 +2,9 @@
 
 A pull names the peer to fetch from, and in vLLM that address arrives in a request's
 ``kv_transfer_params``: client input. So the daemon dials only addresses its operator
-allows, as networks (CIDRs); the default is loopback only. A name is resolved (without
+allows, as networks (CIDRs), and optionally only at some ports (``--dial-ports``: the
+peers' port, so that a client cannot aim the daemon at another service of an allowed host);
+the defaults are loopback only, any port. A name is resolved (without
 blocking the event loop, within ``RESOLVE_S``) at every dial and every address it resolves
 to must be allowed; nothing is sent to a refused peer. gRPC resolves the name again when
 it connects: a DNS server that answers differently between the two (rebinding) is not
@@ -24,6 +26,7 @@ LOOPBACK = ("127.0.0.0/8", "::1/128")
 RESOLVE_S = 2.0
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+PortRange = tuple[int, int]
 
 
 def parse_networks(values: Sequence[str]) -> tuple[Network, ...]:
@@ -38,20 +41,45 @@ def parse_networks(values: Sequence[str]) -> tuple[Network, ...]:
     return tuple(networks)
 
 
-class DialPolicy:
-    """Refuses to dial a peer outside the allowed networks, before any connection."""
+def parse_ports(values: Sequence[str]) -> tuple[PortRange, ...]:
+    """The port ranges ``values`` name (``7500`` or ``7500-7510``); InvalidSpecError naming
+    the first that is not one."""
+    ranges = []
+    for value in values:
+        low, _, high = str(value).partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            first = last = -1
+        if not 1 <= first <= last <= 65535:
+            raise InvalidSpecError(f"dial_ports {value!r} is not a port or a range of ports; "
+                                   "expected a number such as 7500 or a range such as 7500-7510")
+        ranges.append((first, last))
+    return tuple(ranges)
 
-    def __init__(self, allowed: Sequence[str]) -> None:
+
+class DialPolicy:
+    """Refuses to dial a peer outside the allowed networks (or, with ``ports``, at another
+    port), before any connection."""
+
+    def __init__(self, allowed: Sequence[str], ports: Sequence[str] = ()) -> None:
         self.networks = parse_networks(allowed)
+        self.ports = parse_ports(ports)
 
     async def check(self, address: str) -> None:
-        """Return if ``address`` (host:port, or a bare host) may be dialled; else
-        DialNotAllowedError (outside the policy) or PeerUnavailableError (its name does not
+        """Return if ``address`` (host:port, or a bare host: the UCX host a handshake names,
+        whose ports are not checked) may be dialled; else DialNotAllowedError (outside the
+        policy) or PeerUnavailableError (its name does not
         resolve in time)."""
         host, colon, port = address.rpartition(":")
         if not colon or host.endswith(":") or (":" in host and not host.startswith("[")):
             host, port = address, ""  # a bare host, IPv6 included
         host = host.removeprefix("[").removesuffix("]")
+        if port and not self.allows_port(port):
+            raise DialNotAllowedError(
+                f"peer {address!r} names port {port}, outside this daemon's dial_ports "
+                f"({', '.join(f'{a}-{b}' if a != b else str(a) for a, b in self.ports)}); "
+                "nothing was sent to it")
         found = {host} if _is_ip(host) else await self._resolve(address, host, port)
         outside = sorted(a for a in found if not self.allows(a))
         if outside:
@@ -68,6 +96,12 @@ class DialPolicy:
         except (OSError, UnicodeError, TimeoutError) as exc:
             raise PeerUnavailableError(f"peer {address!r} does not resolve: {exc!r}") from None
         return {str(info[4][0]) for info in infos}
+
+    def allows_port(self, port: str) -> bool:
+        """Whether ``port`` is one the policy allows (any, when it names none)."""
+        if not self.ports:
+            return True
+        return port.isdigit() and any(low <= int(port) <= high for low, high in self.ports)
 
     def allows(self, ip: str) -> bool:
         """Whether the address ``ip`` lies in an allowed network."""
