@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvxfer.client.examples.disagg import PROMPTS, compare, daemon_config, reference, run_disaggregated
@@ -10,6 +13,7 @@ from kvxfer.client.spawn import LocalDaemon
 pytestmark = pytest.mark.slow  # see the README's Tests section
 
 NEW_TOKENS = 8
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.parametrize("flavour", ["mha", "mla", "hybrid"])
@@ -27,8 +31,9 @@ def test_decode_worker_continues_exactly_where_prefill_stopped(flavour: str, tmp
             assert r["logits_close"], (rid, r["max_logit_diff"])
 
         # The test can fail: overwrite one transferred page of r1 on the decode side.
-        corrupted = compare(run_disaggregated(flavour, PROMPTS, NEW_TOKENS, corrupt="r1",
-                                              daemons=(pre, dec)), want)
+        corrupted = compare(run_disaggregated(
+            flavour, PROMPTS, NEW_TOKENS, daemons=(pre, dec),
+            decode_launcher=[sys.executable, str(HERE / "corrupting_decode_worker.py"), "r1"]), want)
         assert not corrupted["r1"]["logits_close"]
         assert all(corrupted[r]["tokens_equal"] for r in ("r0", "r2", "r3"))
 

@@ -147,10 +147,6 @@ def decode_worker(args: argparse.Namespace) -> None:
                 if not status.ok:
                     raise SystemExit(f"transfer {req['id']}/{part} {status.state.name}: {status.error}")
             cache = _views(kv, ssm, table, slot, cfg)
-            if req["id"] == args.corrupt:
-                gen = torch.Generator().manual_seed(99)
-                for view in (*cache.kv.k, *cache.kv.latent):
-                    view[table[0]] = torch.randn(view[table[0]].shape, generator=gen).to(view.dtype)
             token, position = req["first_token"], len(req["prompt"])
             tokens, logits_seen = [token], []
             for _ in range(req["new_tokens"] - 1):
@@ -204,12 +200,14 @@ def daemon_config(flavour: str, path: Path) -> Path:
 
 
 def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *,
-                      corrupt: str = "", verify: bool = False,
-                      daemons: tuple[Any, Any] | None = None) -> dict[str, Any]:
+                      verify: bool = False, daemons: tuple[Any, Any] | None = None,
+                      decode_launcher: list[str] | None = None) -> dict[str, Any]:
     """Prefill and decode in two worker processes through two daemons; the decode results.
 
     ``daemons`` reuses a running (prefill, decode) ``LocalDaemon`` pair serving the
-    flavour's pools; otherwise a pair is started and stopped here.
+    flavour's pools; otherwise a pair is started and stopped here. ``decode_launcher`` is
+    the command that runs this module's ``decode-worker`` with its arguments (default:
+    this module).
     """
     from kvxfer.client.spawn import LocalDaemon
 
@@ -218,8 +216,8 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
             config = str(daemon_config(flavour, Path(tmp) / "pools.yaml"))
             with LocalDaemon("prefill", [], extra_args=["--config", config]) as pre, \
                     LocalDaemon("decode", [], extra_args=["--config", config]) as dec:
-                return run_disaggregated(flavour, prompts, new_tokens, corrupt=corrupt,
-                                         verify=verify, daemons=(pre, dec))
+                return run_disaggregated(flavour, prompts, new_tokens, verify=verify,
+                                         daemons=(pre, dec), decode_launcher=decode_launcher)
     pre, dec = daemons
     requests: list[dict[str, Any]] = [{"id": f"r{i}", "prompt": p} for i, p in enumerate(prompts)]
     env = {**os.environ, **LOOPBACK_ENV}
@@ -236,8 +234,8 @@ def run_disaggregated(flavour: str, prompts: list[list[int]], new_tokens: int, *
             req.update(first_token=first["first_token"], new_tokens=new_tokens,
                        capabilities=first["capabilities"])
         decode = subprocess.run(
-            [*me, "decode-worker", "--flavour", flavour, "--address", dec.worker_address,
-             "--peer", pre.peer_address, "--requests", json.dumps(requests), "--corrupt", corrupt],
+            [*(decode_launcher or me), "decode-worker", "--flavour", flavour, "--address",
+             dec.worker_address, "--peer", pre.peer_address, "--requests", json.dumps(requests)],
             capture_output=True, text=True, env=env, timeout=120)
         if decode.returncode != 0:
             raise RuntimeError(f"decode worker failed:\n{decode.stderr[-3000:]}")
@@ -303,7 +301,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--requests", required=True, help="JSON list of requests")
         p.add_argument("--peer", help="prefill daemon's peer address (decode worker)")
         p.add_argument("--verify", action="store_true", help="checksums on the offers")
-        p.add_argument("--corrupt", default="", help="request id whose first page to overwrite")
     parser.add_argument("--flavour", default="all", choices=["mha", "mla", "hybrid", "all"])
     args = parser.parse_args(argv)
     if args.command == "prefill-worker":
