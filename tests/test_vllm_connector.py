@@ -96,6 +96,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
         plan = sched_p.build_plan({"r1": (0, 70)}, lambda _: [3, 7, 9])
         assert [s.block_ids for s in plan.saves] == [(3, 7, 9)]
+        assert plan.saves[0].capabilities == ()  # the workers' plan carries no secret
         work_p.bind(plan)
         for name, kv in kv_p.items():
             work_p.save_kv_layer(name, kv)

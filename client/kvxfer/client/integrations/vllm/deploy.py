@@ -211,10 +211,10 @@ class Disaggregation:
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
     ``decode_daemon_launcher`` is the command that starts the decode daemon with ``serve``'s
     arguments (default ``kvxfer``; a wrapper such as a profiler, or the tests' fault
-    double in tests/); ``daemon_args`` are more ``kvxfer serve`` flags for both daemons; ``engine_args`` are more ``vllm serve`` flags
-    for both engines; ``failure_policy`` is the decode engine's ``kv_load_failure_policy``;
-    ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix sockets in
-    ``workdir``).
+    double in tests/); ``daemon_args`` are more ``kvxfer serve`` flags for both daemons;
+    ``engine_args`` are more ``vllm serve`` flags for both engines; ``failure_policy`` is
+    the decode engine's ``kv_load_failure_policy``; ``ports`` are the proxy's, the
+    prefill's and the decode engine's (None: unix sockets in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,

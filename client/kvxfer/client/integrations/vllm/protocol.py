@@ -162,7 +162,8 @@ class Save:
     its rank's transfer of ``transfer_id``, recording ``prompt_digest`` with it.
     ``arena_epoch`` is the daemon memory epoch the leases were granted in: a worker whose
     mapping is older re-attaches before writing. ``capabilities`` (per rank, the leases')
-    go into the response's params, never to the worker."""
+    go into the response's params; the scheduler half keeps them, and the plan it sends to
+    the workers carries none."""
 
     req_id: str
     transfer_id: str

@@ -185,8 +185,8 @@ class SchedulerSide:
                               "compute the prompt", req_id)
                 save = None
             if save is not None:
-                self._saved[req_id] = save
-                plan.saves.append(save)
+                self._saved[req_id] = save  # its capabilities go into the response's params,
+                plan.saves.append(dataclasses.replace(save, capabilities=()))  # not to workers
         plan.loads, plan.cancels = self._new_loads, self._cancels
         self._new_loads, self._cancels = [], []
         return plan
