@@ -261,12 +261,17 @@ def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
 
 def test_with_policy_fail_a_failed_load_is_a_clean_error_and_the_engine_serves_on(run_tp2) -> None:
     """vLLM's default policy: a load refused (a wrong capability on both ranks, straight to
-    the decode engine) answers HTTP 500 instead of an answer from KV that is not the prompt's;
+    the decode engine) answers HTTP 500 (streamed: an error chunk, no text) instead of an
+    answer from KV that is not the prompt's;
     the engine stays healthy, runs no request, and the same prompt asked without params
     afterwards is the plain engine's answer (the failed load left nothing in its prefix
     cache)."""
     fail, base = run_tp2["fail_policy"], {"F": run_tp2["baseline_fail"]}
     assert "HTTP 500" in fail["failed_load"].get("error", ""), fail["failed_load"]
+    chunks = [json.loads(line) for line in fail["failed_stream"]["lines"] if line != "[DONE]"]
+    assert any("error" in chunk for chunk in chunks), chunks  # streamed: an error chunk,
+    assert [choice["text"] for chunk in chunks for choice in chunk.get("choices", [])
+            if choice["text"]] == [], chunks  # and no generated text
     assert same_as_plain({}, base, fail["plain_after"]) == ""
     assert fail["healthy_after"] and fail["running_after"] == 0
 

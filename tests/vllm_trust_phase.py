@@ -289,15 +289,31 @@ def capabilities_logged(phase: Phase) -> dict[str, Any]:
             "decode_redacted": logs.get("decode.log", "").count("<redacted>")}
 
 
+def streamed_lines(phase: Phase, name: str, params: dict[str, Any], case: str) -> dict[str, Any]:
+    """``PROMPTS[name]`` streamed straight to the decode engine: the HTTP status and every
+    ``data:`` line it sent."""
+    assert phase.d.decode is not None
+    body = {"model": phase.model, "prompt": PROMPTS[name], "max_tokens": 12, "temperature": 0,
+            "stream": True, "kv_transfer_params": params}
+    with phase.d.decode.client() as http, http.stream(
+            "POST", "/v1/completions", json=body, headers={"X-Request-Id": case}) as reply:
+        lines = [line[6:] for line in reply.iter_lines() if line.startswith("data: ")]
+        return {"status": reply.status_code, "lines": lines}
+
+
 def fail_policy_case(d: Disaggregation, model: str) -> dict[str, Any]:
     """With ``kv_load_failure_policy: fail`` on the decode engine: a load refused (a wrong
-    capability) answers an HTTP error instead of a wrong answer, the engine stays healthy,
+    capability) answers an HTTP error instead of a wrong answer (streamed: an error chunk),
+    the engine stays healthy,
     and the prompt asked again without params is answered as a plain engine would (no
     poisoned prefix cache)."""
     phase = Phase(d, model)
     params = phase.prefilled("F", "fail-source")
     params["kvxfer"]["capabilities"] = ["0" * 32 for _ in params["kvxfer"]["capabilities"]]
     phase.out["failed_load"] = phase.direct("F", params, "fail-wrong-capability")
+    streamed = phase.prefilled("F", "fail-stream-source")
+    streamed["kvxfer"]["capabilities"] = ["0" * 32 for _ in streamed["kvxfer"]["capabilities"]]
+    phase.out["failed_stream"] = streamed_lines(phase, "F", streamed, "fail-stream")
     phase.out["plain_after"] = phase.direct("F", None, "fail-plain-after")
     phase.out["healthy_after"] = phase.healthy()
     phase.out["running_after"] = engine_gauge(phase, "num_requests_running")
