@@ -28,8 +28,9 @@ HERE = Path(__file__).resolve().parent
 VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
 
-def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, Any]:
-    """What ``vllm_scenario.py`` answered and counted (it takes one to two minutes)."""
+def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str,
+             script: str = "vllm_scenario.py") -> dict[str, Any]:
+    """What ``script`` (``vllm_scenario.py``) answered and counted (one to three minutes)."""
     if not VLLM_PYTHON.exists():
         message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
         if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
@@ -37,7 +38,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str) -> dict[str, 
         pytest.skip(message)
     workdir = tmp_path_factory.mktemp("vllm")
     segments_before = shm_segments()
-    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_scenario.py"), str(workdir), *args],
+    out = subprocess.run([str(VLLM_PYTHON), str(HERE / script), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-6000:] + log_tails(workdir)
@@ -95,6 +96,12 @@ def run_tp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     decode engine's ``kv_load_failure_policy`` is ``fail`` (every transfer of it succeeds
     but the one ``fail_policy_case`` breaks)."""
     return scenario(tmp_path_factory, "--tp", "2", "--no-controls", "--failure-policy", "fail")
+
+
+@pytest.fixture(scope="module")
+def unguarded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The trust guards' negative controls through real engines (``vllm_unguarded.py``)."""
+    return scenario(tmp_path_factory, script="vllm_unguarded.py")
 
 
 def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
@@ -304,3 +311,30 @@ def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> N
     assert [same_as_plain(trust, base, a) for a in trust["waves"]] == [""] * len(trust["waves"])
     assert trust["healthy_after_restarts"]
     assert trust["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}
+
+
+# The negative controls of the trust guards, through real engines: each guard switched off
+# through a test-only seam (tests/unguarded_daemon.py, tests/unguarded_engine/) and the
+# case it guards does its harm. The guarded cases above answer right.
+
+def test_negative_control_without_the_prompt_digest_another_prompts_kv_changes_the_answer(
+        unguarded) -> None:
+    assert same_as_plain({}, unguarded["plain"], unguarded["other_prompt"]) != ""
+
+
+def test_negative_control_without_the_capability_check_a_wrong_capability_loads(unguarded) -> None:
+    assert unguarded["wrong_capability_loaded"] > 0
+
+
+def test_negative_control_without_the_dial_policy_a_peer_outside_it_is_dialled(unguarded) -> None:
+    assert unguarded["outside_dials"] >= 1
+
+
+def test_negative_control_without_the_memory_epoch_a_restart_changes_the_answer(unguarded) -> None:
+    assert same_as_plain({}, unguarded["plain"], unguarded["after_decode_restart"]) != ""
+
+
+def test_negative_control_without_strict_parsing_one_request_kills_the_decode_engine(
+        unguarded) -> None:
+    assert "HTTP 500" in unguarded["malformed"]["error"]
+    assert unguarded["decode_healthy_after_malformed"] is False

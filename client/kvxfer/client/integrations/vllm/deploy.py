@@ -209,17 +209,20 @@ class Disaggregation:
     connector, and the proxy.
 
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
-    ``decode_daemon_launcher`` is the command that starts the decode daemon with ``serve``'s
-    arguments (default ``kvxfer``; a wrapper such as a profiler, or the tests' fault
-    double in tests/); ``daemon_args`` are more ``kvxfer serve`` flags for both daemons;
-    ``engine_args`` are more ``vllm serve`` flags for both engines; ``failure_policy`` is
+    ``daemon_launcher`` is the command that starts a daemon with ``serve``'s arguments
+    (default ``kvxfer``; a wrapper such as a profiler, or a test double in tests/), and
+    ``decode_daemon_launcher`` the decode daemon's where it differs; ``daemon_args`` are more
+    ``kvxfer serve`` flags for both daemons; ``engine_args`` are more ``vllm serve`` flags
+    and ``engine_env`` more environment variables for both engines; ``failure_policy`` is
     the decode engine's ``kv_load_failure_policy``; ``ports`` are the proxy's, the
     prefill's and the decode engine's (None: unix sockets in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
-                 tp: int = 1, decode_daemon_launcher: list[str] | None = None,
+                 tp: int = 1, daemon_launcher: list[str] | None = None,
+                 decode_daemon_launcher: list[str] | None = None,
                  daemon_args: list[str] | None = None, engine_args: list[str] | None = None,
+                 engine_env: dict[str, str] | None = None,
                  failure_policy: str = "recompute",
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
@@ -227,7 +230,9 @@ class Disaggregation:
         self.tp = tp
         self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
         self.verify = verify
-        self.decode_daemon_launcher = decode_daemon_launcher
+        self.daemon_launcher = daemon_launcher
+        self.decode_daemon_launcher = decode_daemon_launcher or daemon_launcher
+        self.engine_env = engine_env
         self.daemon_args = daemon_args or []
         self.engine_args = engine_args or []
         self.failure_policy = failure_policy
@@ -255,18 +260,18 @@ class Disaggregation:
         tls = self._stack.enter_context(dev_certs("prefill-daemon", "decode-daemon"))
         self.prefill_daemon = self._stack.enter_context(
             LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True,
-                        tls=tls, extra_args=self.daemon_args))
+                        launcher=self.daemon_launcher, tls=tls, extra_args=self.daemon_args))
         self.decode_daemon = self._stack.enter_context(
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
                         launcher=self.decode_daemon_launcher, tls=tls, extra_args=self.daemon_args))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
-                                  extra_args=self.engine_args,
+                                  extra_args=self.engine_args, env=self.engine_env,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,
                                       verify=self.verify,
                                       stats_file=str(workdir / "prefill-stats.jsonl")))
         self.decode = VllmServer("decode", self.model, workdir, port=decode_port, tp=self.tp,
-                                 extra_args=self.engine_args,
+                                 extra_args=self.engine_args, env=self.engine_env,
                                  kv_transfer=connector_config(
                                      "kv_consumer", self.decode_daemon.worker_address,
                                      failure_policy=self.failure_policy,

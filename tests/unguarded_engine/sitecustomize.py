@@ -1,0 +1,63 @@
+"""Loaded at start by every Python process whose ``PYTHONPATH`` names this folder: the
+vLLM engines of ``vllm_unguarded.py``, with some of the connector's guards switched off as
+``KVXFER_UNGUARDED`` (comma-separated) says. The tests' seam for the negative controls
+through real engines; the connector has no such switch.
+
+- ``epoch``: workers keep their first mapping of a daemon's pool and name no memory epoch
+  (the library's default too), so a restarted daemon cannot refuse them;
+- ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
+  they come) and the connector's entry points unguarded, so a malformed request raises into
+  vLLM's scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from types import SimpleNamespace
+from typing import Any
+
+
+def _unguard_epoch() -> None:
+    from kvxfer.client.integrations.vllm.worker import WorkerSide
+    from kvxfer.client.library import KvxferClient
+    from kvxfer.status import LeaseUse
+    from kvxfer.wire.codec import lease_use_to_proto
+
+    completions = KvxferClient.completions
+    WorkerSide._current = lambda self, epoch: None  # type: ignore[method-assign]
+    KvxferClient.completions = lambda self, *a, **k: dataclasses.replace(  # type: ignore[method-assign]
+        completions(self, *a, **k), epoch="")
+    KvxferClient._lease = lambda self, pool, lease_id, release, epoch: lease_use_to_proto(  # type: ignore[method-assign]
+        LeaseUse(lease_id, release, ""))
+    started = WorkerSide.register_kv_caches
+
+    def no_epoch(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
+        answer = started(self, *args, **kwargs)
+        self._epoch = ""
+        return answer
+
+    WorkerSide.register_kv_caches = no_epoch  # type: ignore[method-assign]
+
+
+def _unguard_parsing() -> None:
+    from kvxfer.client.integrations.vllm import connector, scheduler
+
+    def lenient(params: Any, ours: Any) -> Any:
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        raw = params["kvxfer"]
+        return SimpleNamespace(transfer_id=str(raw["transfer_id"]), peer=str(raw["peer"]),
+                               capabilities=tuple(raw["capabilities"]), layout=ours)
+
+    scheduler.parse_remote_prefill = lenient  # type: ignore[assignment]
+    connector.KvxferConnector._guarded = (  # type: ignore[method-assign]
+        lambda self, what, call, fallback: call())
+
+
+_GUARDS = set(filter(None, os.environ.get("KVXFER_UNGUARDED", "").split(",")))
+if _GUARDS:
+    if "epoch" in _GUARDS:
+        _unguard_epoch()
+    if "parsing" in _GUARDS:
+        _unguard_parsing()
