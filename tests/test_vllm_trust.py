@@ -7,16 +7,21 @@ bad outcome the guard prevents, so the guard's test can fail.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, POOL, Request, kv_caches, settings, wait_finished
 
 from kvxfer.client import KvxferClient
@@ -234,3 +239,86 @@ def test_a_failed_entry_point_fails_only_its_own_requests(engines) -> None:
     assert worker.get_finished() == worker.take_failed() == {"first", "second"}
     with KvxferClient(engines.dec.worker_address) as d:
         assert d.transfers() == [] and d.leased_pages() == {"kv": 0}  # nothing was asked
+
+
+#: What the decode connector reports, by the oracle, for params a client forged from a real
+#: prefill answer: the failed load's reason (None: the load is the real one and succeeds).
+FORGERIES: dict[str, str | None] = {
+    "none": None,
+    "wrong_capability": "TRANSFER_NOT_FOUND",
+    "altered_id": "TRANSFER_NOT_FOUND",
+    "replayed": "TRANSFER_NOT_FOUND",
+    "other_prompt": "PROMPT_MISMATCH",
+    "outside_dial_policy": "DIAL_NOT_ALLOWED",
+    "closed_port": "PEER_UNAVAILABLE",
+}
+
+
+def forge(params: dict[str, Any], forgery: str) -> dict[str, Any]:
+    """``params`` as a client that edits them would send them."""
+    forged = copy.deepcopy(params)
+    kvxfer = forged["kvxfer"]
+    if forgery == "wrong_capability":
+        kvxfer["capabilities"] = ["0" * 32]
+    elif forgery == "altered_id":
+        kvxfer["transfer_id"] += "x"
+    elif forgery == "outside_dial_policy":
+        kvxfer["peer"] = "10.9.8.7:7500"  # the daemons dial loopback only (the default)
+    elif forgery == "closed_port":
+        kvxfer["peer"] = "127.0.0.1:1"
+    return forged
+
+
+def test_forged_loads_fail_for_the_reason_the_oracle_predicts(engines) -> None:
+    """Generated forgeries of real params (hypothesis), each through both connector halves of
+    a decode engine against real daemons: a real load succeeds byte-exact, every forged one
+    is reported failed (vLLM then recomputes it) and leaves its blocks untouched, and the
+    worker's failures by reason equal the oracle's counts."""
+    predicted: Counter[str] = Counter()
+    before = Counter(engines.work_d.load_failures)
+    count = 0
+
+    @examples(max_examples=100, database=None, deadline=None)
+    @given(forgery=st.sampled_from(sorted(FORGERIES)), blocks=st.integers(1, 3))
+    def one(forgery: str, blocks: int) -> None:
+        nonlocal count
+        count += 1
+        engines.fresh_kv(count)
+        src, dst = list(range(blocks)), list(range(8, 8 + blocks))
+        tokens = 32 * blocks
+        prefill = Request(f"p{count}", tokens, {"do_remote_decode": True}, seed=count)
+        engines.sched_p.update_state_after_alloc(prefill, src, 0)
+        engines.work_p.bind(engines.sched_p.build_plan({prefill.request_id: (0, tokens)}, lambda _: src))
+        for layer, kv in engines.kv_p.items():
+            engines.work_p.save_kv_layer(layer, kv)
+        engines.work_p.wait_for_save()
+        params = engines.sched_p.request_finished(prefill)
+        assert params is not None
+        asks = ([copy.deepcopy(params), copy.deepcopy(params)] if forgery == "replayed"
+                else [forge(params, forgery)])
+        for attempt, sent in enumerate(asks):
+            seed = count + 1_000_000 if forgery == "other_prompt" else count
+            decode = Request(f"d{count}.{attempt}", tokens, sent, seed=seed)
+            untouched = {k: v[dst].clone() for k, v in engines.kv_d.items()}
+            assert engines.sched_d.get_num_new_matched_tokens(decode, 0) == (tokens, True)
+            engines.sched_d.update_state_after_alloc(decode, dst, tokens)
+            engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+            engines.work_d.start_load_kv()
+            wait_finished(engines.work_d, decode.request_id, timeout_s=30)
+            failed = engines.work_d.take_failed()
+            reason = FORGERIES[forgery] if attempt == len(asks) - 1 else None
+            if reason is None:
+                assert failed == set(), forgery
+                assert all(torch.equal(engines.kv_d[k][dst], engines.kv_p[k][src]) for k in engines.kv_p)
+            else:
+                predicted[reason] += 1
+                assert failed == {decode.request_id}, forgery
+                assert all(torch.equal(engines.kv_d[k][dst], untouched[k]) for k in untouched)
+        with KvxferClient(engines.pre.worker_address) as p:  # an offer nobody pulled ends now
+            for info in p.transfers():
+                if not info.state.final:
+                    p.abort(info.transfer_id, "the test's case is over")
+
+    one()
+    assert engines.work_d.load_failures - before == predicted, (engines.work_d.load_failures, predicted)
+    assert set(predicted) == {r for r in FORGERIES.values() if r}, predicted

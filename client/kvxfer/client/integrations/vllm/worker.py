@@ -123,6 +123,10 @@ class WorkerSide:
         self._releasing: dict[str, PendingLoad] = {}  # dropped loads whose end is not told yet
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        #: Failed loads by reason: a kvxfer error's (TRANSFER_NOT_FOUND, PROMPT_MISMATCH,
+        #: DIAL_NOT_ALLOWED, ...), or REFUSED (by the scheduler half), DAEMON_RESTARTED,
+        #: NO_ENDING (past its deadline), COPY_FAILED, or an exception's type.
+        self.load_failures: Counter[str] = Counter()
         self._cursor = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -260,12 +264,12 @@ class WorkerSide:
                     self._release_after(tid, pending)
         for load in self._plan.loads:
             if load.refused:
-                self._fail(load, load.refused)
+                self._fail(load, load.refused, "REFUSED")
                 continue
             try:
                 self._start(load)
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._fail(load, f"{type(exc).__name__}: {exc}")
+                self._fail(load, f"{type(exc).__name__}: {exc}", _reason(exc))
 
     def _start(self, load: Load) -> None:
         """Lease pages for ``load`` in the daemon's current memory and pull into them. A
@@ -327,7 +331,8 @@ class WorkerSide:
                 self._land(pending, info)
             except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
                 self._release(pending.lease.lease_id)
-                self._fail(pending.load, f"copying it in failed: {type(exc).__name__}: {exc}")
+                self._fail(pending.load, f"copying it in failed: {type(exc).__name__}: {exc}",
+                           "COPY_FAILED")
 
     def _lost(self, epoch: str) -> None:
         """The daemon's memory epoch is ``epoch``: fail at once every pending load of another
@@ -336,7 +341,8 @@ class WorkerSide:
             if pending.epoch != epoch:
                 del self._pending[tid]
                 self._fail(pending.load, f"the daemon restarted (memory epoch {epoch[:12]}, "
-                                         f"the load's {pending.epoch[:12]}): its transfer is gone")
+                                         f"the load's {pending.epoch[:12]}): its transfer is gone",
+                           "DAEMON_RESTARTED")
         for tid, dropped in list(self._releasing.items()):
             if dropped.epoch != epoch:
                 del self._releasing[tid]  # its lease went with the daemon
@@ -351,7 +357,8 @@ class WorkerSide:
                 del self._pending[tid]
                 self._abort(tid, "no ending reported by its deadline")
                 self._release_after(tid, pending)
-                self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s")
+                self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s",
+                           "NO_ENDING")
         for tid, dropped in list(self._releasing.items()):
             if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
                 del self._releasing[tid]
@@ -362,7 +369,8 @@ class WorkerSide:
         transfer_s = time.perf_counter() - pending.started
         if not info.ok:
             self._release(pending.lease.lease_id)
-            self._fail(load, f"transfer {info.state.name}: {info.error}")
+            self._fail(load, f"transfer {info.state.name}: {info.error}",
+                       _reason(info.failure) if info.failure is not None else info.state.name)
             return
         start = time.perf_counter()
         pages = list(pending.lease.runs.pages())[load.first_page:load.first_page + len(load.block_ids)]
@@ -377,7 +385,8 @@ class WorkerSide:
                            transfer_s=transfer_s, daemon_s=info.seconds, copy_s=copy_s,
                            verified=info.verified)
 
-    def _fail(self, load: Load, why: str) -> None:
+    def _fail(self, load: Load, why: str, reason: str) -> None:
+        self.load_failures[reason] += 1
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
         self._failed.add(load.req_id)
@@ -417,3 +426,8 @@ class WorkerSide:
         self._pending.clear()
         self._detach()
         self._client.close()
+
+
+def _reason(exc: BaseException) -> str:
+    """A failure's reason: a kvxfer error's own, else the exception's type."""
+    return exc.reason if isinstance(exc, KvxferError) else type(exc).__name__
