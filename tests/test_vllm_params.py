@@ -185,10 +185,13 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
             assert got == (0, False), (params, outcome, got)
         assert decode.refusals == {k: v for k, v in predicted.items() if k in REFUSALS}
 
-        asks = {"do_remote_decode": do_remote_decode}
+        # The prefill half gets the same generated params, asking for a hand-off or not.
+        asks = ({**copy.deepcopy(params), "do_remote_decode": do_remote_decode}
+                if isinstance(params, dict) else params)
         producer_request = Request(f"p{seen}", tokens, asks)
         prefill.update_state_after_alloc(producer_request, [0], 0)
-        assert (f"p{seen}" in prefill._to_save) is (do_remote_decode is True)
+        hands_off = isinstance(asks, dict) and asks.get("do_remote_decode") is True
+        assert (f"p{seen}" in prefill._to_save) is hands_off, asks
         prefill.request_finished(producer_request)
 
     one()
