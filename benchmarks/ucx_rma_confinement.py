@@ -52,6 +52,7 @@ ucs_status_t ucp_mem_unmap(ucp_context_h, ucp_mem_h);
 ucs_status_t ucp_rkey_pack(ucp_context_h, ucp_mem_h, void **, size_t *);
 void ucp_rkey_buffer_release(void *);
 ucs_status_t ucp_ep_rkey_unpack(ucp_ep_h, const void *, ucp_rkey_h *);
+void ucp_rkey_destroy(ucp_rkey_h);
 void *ucp_get_nbx(ucp_ep_h, void *, size_t, uint64_t, ucp_rkey_h, const ucp_request_param_t *);
 void *ucp_worker_flush_nbx(ucp_worker_h, const ucp_request_param_t *);
 ucs_status_t ucp_request_check_status(void *);

@@ -56,6 +56,13 @@ def test_engine_bandwidth_moves_and_checks_the_bytes(eh: str, transport: str) ->
     assert got["engine_gbps_median"] > 0 and got["ratio_engine_vs_kernel_copy"] > 0
 
 
+def test_rma_against_tag_moves_checked_pages_both_ways() -> None:
+    got = run_benchmark("rma_vs_tag.py", "--rounds", "1", "--json", timeout=120)
+    assert got["get_gbps_median"] > 0 and got["tag_gbps_median"] > 0
+    assert got["ratio_get_vs_tag"] > 0 and got["registration_us_per_page"] > 0
+    assert got["source_cpu_s_per_gb_get"] > 0 and got["source_cpu_s_per_gb_tag"] > 0
+
+
 def test_transfer_latency_reports_every_case() -> None:
     got = run_benchmark("transfer_latency.py", "--rounds", "1", "--per-round", "1", "--json")
     for case in ("pages1_verify_off", "pages1_verify_on", "pages16_verify_off", "pages16_verify_on"):
