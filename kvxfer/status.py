@@ -1,7 +1,8 @@
-"""What a daemon reports: a transfer's role, state and status; a page lease; the completions.
+"""What a daemon reports: a transfer's role, state and status; a page lease; the
+completions; its sessions with peers and their data plane.
 
-The numbers of ``TransferRole`` and ``TransferState`` are the proto enums'
-(``kvxfer.v1.TransferRole`` / ``TransferState``): each member is defined as its
+The numbers of ``TransferRole``, ``TransferState`` and ``DataPlane`` are the proto enums'
+(``kvxfer.v1.TransferRole`` / ``TransferState`` / ``DataPlane``): each member is defined as its
 proto value, and a test checks that the two enums have the same members, so
 nothing is copied by hand and a value read off the wire is a member here.
 """
@@ -38,6 +39,30 @@ class TransferState(enum.IntEnum):
     def final(self) -> bool:
         """True once the transfer can no longer change."""
         return self not in (TransferState.WAITING, TransferState.TRANSFERRING)
+
+
+class DataPlane(enum.IntEnum):
+    """How a session's transfers move their bytes, chosen when the session opens."""
+
+    LOCAL_COPY = pb.DATA_PLANE_LOCAL_COPY
+    UCX_TAGGED = pb.DATA_PLANE_UCX_TAGGED
+
+    @property
+    def label(self) -> str:
+        """Its name as the CLI and the metrics write it (``local-copy``, ``ucx-tagged``)."""
+        return self.name.lower().replace("_", "-")
+
+
+@dataclass(frozen=True)
+class PeerSessionInfo:
+    """A session with a peer daemon: ``outbound`` when this daemon sends to it."""
+
+    peer_address: str
+    outbound: bool
+    session_id: str
+    data_plane: DataPlane
+    lanes: int
+    identity: str = ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from kvxfer.client import KvxferClient
 from kvxfer.errors import ERROR_TYPES, InternalError, KvxferError
 from kvxfer.pages import PageRuns
 from kvxfer.server.transfers.coordinator import TransferCoordinator
-from kvxfer.status import TransferRole, TransferState
+from kvxfer.status import DataPlane, TransferRole, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.status import from_status, grpc_code, to_status
 
@@ -97,8 +98,9 @@ def test_a_bug_in_the_daemon_is_internal_and_the_daemon_keeps_serving(
 
 
 def test_roles_and_states_are_the_proto_enums() -> None:
-    for enum, proto in ((TransferRole, pb.TransferRole), (TransferState, pb.TransferState)):
-        prefix = proto.DESCRIPTOR.name.upper().replace("TRANSFER", "TRANSFER_") + "_"
+    for enum, proto in ((TransferRole, pb.TransferRole), (TransferState, pb.TransferState),
+                        (DataPlane, pb.DataPlane)):
+        prefix = re.sub(r"(?<!^)([A-Z])", r"_\1", proto.DESCRIPTOR.name).upper() + "_"
         named = {name.removeprefix(prefix): value for name, value in proto.items() if value}
         assert {m.name: m.value for m in enum} == named
 

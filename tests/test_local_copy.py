@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import mmap
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +29,7 @@ from kvxfer.errors import IntegrityError
 from kvxfer.local_copy import SIZE_CHECK_BYTES, ArenaFile, boot_id, copy_chunks, map_peer_arena
 from kvxfer.memory import SHM_PREFIX, create_arena
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.status import TransferState
+from kvxfer.status import DataPlane, TransferState
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import descriptor_to_proto, info_from_proto
@@ -67,6 +70,34 @@ def test_a_peer_without_local_copy_is_sent_to_over_ucx(local_pair, spawn) -> Non
         assert done.ok, (done.sent.error, done.received.error)
         assert done.sent.lanes == done.received.lanes == 1
         assert_moved(src, odst, PageRuns.of([(1, 4)]), PageRuns.of([(10, 4)]), before)
+
+
+def test_status_shows_each_sessions_data_plane(local_pair, spawn) -> None:
+    """The prefill daemon sends to a same-host peer with local copy on (copied) and to one
+    without (UCX): ``ListPeers`` and ``kvxfer status`` name each session's data plane on
+    both sides."""
+    pre, dec, p, d, src, dst = local_pair
+    plain = spawn("plain-status", [SMALL])
+    with KvxferClient(plain.worker_address) as o:
+        for client, daemon, tid in ((d, dec, "status-local"), (o, plain, "status-ucx")):
+            done = hand_off(p, client, tid, pool="kv", src=PageRuns.of([(1, 2)]),
+                            dst=PageRuns.of([(30, 2)]), decode_peer=daemon.peer_address, timeout_s=30)
+            assert done.ok, (done.sent.error, done.received.error)
+        outbound = {(s.peer_address, s.data_plane, s.lanes) for s in p.peers() if s.outbound}
+        assert outbound == {(dec.peer_address, DataPlane.LOCAL_COPY, 0),
+                            (plain.peer_address, DataPlane.UCX_TAGGED, 1)}
+        [copied] = d.peers()
+        [sent] = o.peers()
+        assert (copied.outbound, copied.data_plane, copied.identity) == (False, DataPlane.LOCAL_COPY, "prefill")
+        assert (sent.outbound, sent.data_plane, sent.lanes) == (False, DataPlane.UCX_TAGGED, 1)
+        assert copied.peer_address == sent.peer_address == pre.peer_address
+    out = subprocess.run([sys.executable, "-m", "kvxfer.client.cli", "status", "--address",
+                          pre.worker_address, "--json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert status["peer_address"] == pre.peer_address and len(status["epoch"]) == 32
+    assert {(row["peer"], row["direction"], row["data_plane"]) for row in status["peers"]} == {
+        (dec.peer_address, "outbound", "local-copy"), (plain.peer_address, "outbound", "ucx-tagged")}
 
 
 def _open_files(pid: int | str) -> dict[str, int]:
@@ -149,7 +180,7 @@ def test_the_receiver_ends_only_with_the_senders_commit(spawn, peer_channel, tmp
     dec = spawn("decode-local", [SMALL], extra_args=LOCAL)
     with KvxferClient(dec.worker_address) as d, d.attach("kv") as dst:
         descriptor, memory = d.describe("kv")
-        path = Path("/dev/shm") / f"kvxfer-test-file-sender-{os.getpid()}"
+        path = Path("/dev/shm") / f"test-file-sender-{os.getpid()}"  # not kvxfer-*: daemons sweep those
         noise = np.random.default_rng(7).integers(0, 256, memory.size_bytes, dtype=np.uint8)
         path.write_bytes(noise.tobytes())
         sender = _FileSender(dec, peer_channel(dec.peer_address), descriptor_to_proto(descriptor),
@@ -247,7 +278,7 @@ def test_a_senders_file_shortened_mid_session_fails_the_transfer_not_the_receive
     dec = spawn("decode-short", [SMALL], extra_args=LOCAL)
     with KvxferClient(dec.worker_address) as d:
         descriptor, memory = d.describe("kv")
-        path = Path("/dev/shm") / f"kvxfer-test-short-sender-{os.getpid()}"
+        path = Path("/dev/shm") / f"test-short-sender-{os.getpid()}"  # not kvxfer-*: daemons sweep those
         path.write_bytes(b"\x01" * memory.size_bytes)
         sender = _FileSender(dec, peer_channel(dec.peer_address), descriptor_to_proto(descriptor),
                              path)

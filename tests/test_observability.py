@@ -89,6 +89,11 @@ def test_metrics_count_latency_round_trips_and_failures_by_reason(observed) -> N
         "kvxfer_transfer_failures_total", {})
     for method in ("Handshake", "Claim", "Commit"):
         assert sent["kvxfer_peer_call_seconds_count"][(("method", method),)] == 1, method
+    # Each side's session, with the data plane its transfers use.
+    assert got["kvxfer_peer_sessions"] == {(("data_plane", "ucx-tagged"), ("direction", "inbound"),
+                                            ("peer", pre.peer_address)): 1}
+    assert sent["kvxfer_peer_sessions"] == {(("data_plane", "ucx-tagged"), ("direction", "outbound"),
+                                             ("peer", dec.peer_address)): 1}
     assert sent["kvxfer_transfer_queue_seconds_count"][(("role", "sender"),)] == 1
     assert got["kvxfer_transfer_data_seconds_count"][(("role", "receiver"),)] == 1
     page_bytes = 4 * 2 * 64 * 2 * 2 * 16  # tiny: 4 layers, K and V, 2 heads x 64, bf16, 16 slots

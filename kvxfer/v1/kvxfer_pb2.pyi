@@ -75,6 +75,31 @@ TRANSFER_STATE_ABORTED: TransferState.ValueType  # 5
 TRANSFER_STATE_DEADLINE_EXCEEDED: TransferState.ValueType  # 6
 Global___TransferState: _TypeAlias = TransferState  # noqa: Y015
 
+class _DataPlane:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DataPlaneEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_DataPlane.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DATA_PLANE_UNSPECIFIED: _DataPlane.ValueType  # 0
+    DATA_PLANE_LOCAL_COPY: _DataPlane.ValueType  # 1
+    """same host: the receiver copies from the sender's pool, read-only"""
+    DATA_PLANE_UCX_TAGGED: _DataPlane.ValueType  # 2
+    """UCX tagged messages, sender to receiver"""
+
+class DataPlane(_DataPlane, metaclass=_DataPlaneEnumTypeWrapper):
+    """---------------------------------------------------------------- peers
+
+    How a session's transfers move their bytes, chosen when the session opens.
+    """
+
+DATA_PLANE_UNSPECIFIED: DataPlane.ValueType  # 0
+DATA_PLANE_LOCAL_COPY: DataPlane.ValueType  # 1
+"""same host: the receiver copies from the sender's pool, read-only"""
+DATA_PLANE_UCX_TAGGED: DataPlane.ValueType  # 2
+"""UCX tagged messages, sender to receiver"""
+Global___DataPlane: _TypeAlias = DataPlane  # noqa: Y015
+
 @_typing.final
 class MhaSpec(_message.Message):
     """---------------------------------------------------------------- layouts"""
@@ -1233,6 +1258,81 @@ class ListLeasesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListLeasesResponse: _TypeAlias = ListLeasesResponse  # noqa: Y015
+
+@_typing.final
+class PeerSession(_message.Message):
+    """A session with a peer daemon."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    OUTBOUND_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_FIELD_NUMBER: _builtins.int
+    LANES_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    peer_address: _builtins.str
+    """where the peer serves its peer API"""
+    outbound: _builtins.bool
+    """true: this daemon sends to the peer; false: the peer sends here"""
+    session_id: _builtins.str
+    data_plane: Global___DataPlane.ValueType
+    lanes: _builtins.int
+    """UCX lanes (0 with a local copy)"""
+    identity: _builtins.str
+    """inbound: the peer as its certificate (or its host) names it"""
+    def __init__(
+        self,
+        *,
+        peer_address: _builtins.str = ...,
+        outbound: _builtins.bool = ...,
+        session_id: _builtins.str = ...,
+        data_plane: Global___DataPlane.ValueType = ...,
+        lanes: _builtins.int = ...,
+        identity: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane", b"data_plane", "identity", b"identity", "lanes", b"lanes", "outbound", b"outbound", "peer_address", b"peer_address", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerSession: _TypeAlias = PeerSession  # noqa: Y015
+
+@_typing.final
+class ListPeersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPeersRequest: _TypeAlias = ListPeersRequest  # noqa: Y015
+
+@_typing.final
+class ListPeersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeerSession]: ...
+    def __init__(
+        self,
+        *,
+        peers: _abc.Iterable[Global___PeerSession] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPeersResponse: _TypeAlias = ListPeersResponse  # noqa: Y015
 
 @_typing.final
 class DaemonInfoRequest(_message.Message):

@@ -114,6 +114,11 @@ class KvxferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.FromString,
                 _registered_method=True)
+        self.ListPeers = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/ListPeers',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersResponse.FromString,
+                _registered_method=True)
 
 
 class KvxferServicer:
@@ -215,6 +220,12 @@ class KvxferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPeers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvxferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +308,11 @@ def add_KvxferServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.SerializeToString,
+            ),
+            'ListPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPeers,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -731,6 +747,33 @@ class Kvxfer:
             '/kvxfer.v1.Kvxfer/Info',
             kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfoRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.DaemonInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/ListPeers',
+            kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersResponse.FromString,
             options,
             channel_credentials,
             insecure,

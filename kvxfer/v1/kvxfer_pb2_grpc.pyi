@@ -55,6 +55,7 @@ class KvxferStub:
     Renew: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]
     ListLeases: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]
     Info: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]
+    ListPeers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]
 
 @_typing.type_check_only
 class KvxferAsyncStub(KvxferStub):
@@ -75,6 +76,7 @@ class KvxferAsyncStub(KvxferStub):
     Renew: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]  # type: ignore[assignment]
     ListLeases: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]  # type: ignore[assignment]
     Info: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]  # type: ignore[assignment]
+    ListPeers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]  # type: ignore[assignment]
 
 class KvxferServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -188,6 +190,13 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         request: _kvxfer_pb2.DaemonInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.DaemonInfo, _abc.Awaitable[_kvxfer_pb2.DaemonInfo]]: ...
+
+    @_abc_1.abstractmethod
+    def ListPeers(
+        self,
+        request: _kvxfer_pb2.ListPeersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.ListPeersResponse, _abc.Awaitable[_kvxfer_pb2.ListPeersResponse]]: ...
 
 def add_KvxferServicer_to_server(servicer: KvxferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

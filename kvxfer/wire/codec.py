@@ -22,7 +22,15 @@ from kvxfer.layout import PoolLayout, PoolSpec, ViewRole, ViewSpec
 from kvxfer.layout.kinds import SPEC_CLASSES, as_shape, shape_depths, spec_class
 from kvxfer.memory import CudaIpcHandle, MemoryHandle, SharedMemoryHandle
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.status import LeaseInfo, LeaseUse, TransferInfo, TransferRole, TransferState
+from kvxfer.status import (
+    DataPlane,
+    LeaseInfo,
+    LeaseUse,
+    PeerSessionInfo,
+    TransferInfo,
+    TransferRole,
+    TransferState,
+)
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.wire.status import from_status, to_status
 
@@ -236,3 +244,14 @@ def info_from_proto(msg: pb.TransferStatus) -> TransferInfo:
         verified=msg.verified, created_unix=msg.created_unix, data_seconds=msg.data_seconds,
         lanes=msg.lanes, timeout_s=msg.timeout_s, capability=msg.capability,
     )
+
+
+def peer_session_to_proto(info: PeerSessionInfo) -> pb.PeerSession:
+    return pb.PeerSession(peer_address=info.peer_address, outbound=info.outbound,
+                          session_id=info.session_id, data_plane=info.data_plane.value,
+                          lanes=info.lanes, identity=info.identity)
+
+
+def peer_session_from_proto(msg: pb.PeerSession) -> PeerSessionInfo:
+    return PeerSessionInfo(msg.peer_address, msg.outbound, msg.session_id, DataPlane(msg.data_plane),
+                           msg.lanes, msg.identity)

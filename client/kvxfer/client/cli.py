@@ -142,6 +142,27 @@ def cmd_transfers(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as kv:
+        info, peers = kv.info(), kv.peers()
+    rows = [{"peer": p.peer_address, "direction": "outbound" if p.outbound else "inbound",
+             "data_plane": p.data_plane.label, "lanes": p.lanes, "session": p.session_id,
+             "identity": p.identity} for p in peers]
+    if args.json:
+        print(json.dumps({"address": args.address, **info, "peers": rows}, indent=2))
+        return 0
+    console.print(f"kvxfer {info['version']} at {args.address}: peers dial "
+                  f"{info['peer_address']}; memory epoch {info['epoch'][:12]}")
+    table = Table(title="sessions with peer daemons (outbound: this daemon sends)")
+    for col in ("peer", "direction", "data plane", "lanes", "session", "identity"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["peer"], row["direction"], row["data_plane"], str(row["lanes"]),
+                      row["session"][:8], row["identity"])
+    console.print(table)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from kvxfer.client.bench import run_bench
 
@@ -189,6 +210,7 @@ EXAMPLES = {
     "describe": "kvxfer describe kv --json",
     "health": "kvxfer health --address 127.0.0.1:7501",
     "transfers": "kvxfer transfers --json",
+    "status": "kvxfer status --address unix:///run/kvxfer/kvxfer.sock",
     "bench": "kvxfer bench --spawn --preset llama8b --pages 128 --transfers 20 --verify\n"
              "  kvxfer bench --prefill unix:///run/a.sock --decode unix:///run/b.sock "
              "--decode-peer 10.0.0.2:7500 --json",
@@ -259,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_, func in (
         ("health", "Ask a daemon for its health (exit 0 when SERVING).", cmd_health),
         ("transfers", "List a daemon's in-flight and recent transfers.", cmd_transfers),
+        ("status", "Show a daemon's version, peer address and memory epoch, and its sessions "
+                   "with peer daemons: each one's direction and data plane (local-copy: same "
+                   "host, the receiver copies; ucx-tagged: UCX messages).", cmd_status),
     ):
         add_daemon_flags(add(name, help_, func))
     d = add("describe", "Show a pool's descriptor: anchor, page_bytes, per-layer shapes and strides.",

@@ -30,7 +30,7 @@ from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.propagation import outgoing_metadata
-from kvxfer.status import Completions, LeaseInfo, LeaseUse, TransferInfo
+from kvxfer.status import Completions, LeaseInfo, LeaseUse, PeerSessionInfo, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
@@ -38,6 +38,7 @@ from kvxfer.wire.codec import (
     info_from_proto,
     lease_from_proto,
     lease_use_to_proto,
+    peer_session_from_proto,
     pool_info_from_proto,
     runs_to_proto,
 )
@@ -311,6 +312,16 @@ class KvxferClient:
     def epoch(self) -> str:
         """The daemon's memory epoch: it changes when the daemon restarts (see ``AttachedPool``)."""
         return self._call(self._stub.Info, pb.DaemonInfoRequest()).epoch
+
+    def info(self) -> dict[str, str]:
+        """The daemon's version, peer address and memory epoch."""
+        reply = self._call(self._stub.Info, pb.DaemonInfoRequest())
+        return {"version": reply.version, "peer_address": reply.peer_address, "epoch": reply.epoch}
+
+    def peers(self) -> list[PeerSessionInfo]:
+        """The daemon's open sessions with peer daemons, and the data plane each one uses."""
+        reply = self._call(self._stub.ListPeers, pb.ListPeersRequest())
+        return [peer_session_from_proto(p) for p in reply.peers]
 
     def close(self) -> None:
         """Close the channel."""

@@ -204,8 +204,9 @@ class Daemon:
                                              epoch=self.pools.epoch)
         self.transfers.start()
         sessions = self.sessions
-        self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count)
-        pb_grpc.add_KvxferServicer_to_server(WorkerService(self.pools, self.transfers),
+        self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count,
+                           sessions.describe)
+        pb_grpc.add_KvxferServicer_to_server(WorkerService(self.pools, self.transfers, sessions),
                                              self._worker_server)
         pb_grpc.add_KvxferPeerServicer_to_server(PeerService(self.sessions, self.transfers),
                                                  self._peer_server)

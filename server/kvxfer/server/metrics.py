@@ -6,12 +6,16 @@ a test checks that every metric the dashboard queries is one a daemon exports.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from kvxfer.errors import KvxferError
 from kvxfer.server.transfers.record import Transfer
+from kvxfer.status import PeerSessionInfo
 
 #: Seconds, from a 1-page transfer on loopback (about 1 ms) to a deadline (the default is 30 s).
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -86,12 +90,34 @@ class DaemonMetrics:
         else:
             self.failures.labels(role, error.reason).inc()
 
-    def track(self, posted_requests: Callable[[], int], inbound_sessions: Callable[[], int]) -> None:
-        """Read the two gauges from these functions at every scrape."""
+    def track(self, posted_requests: Callable[[], int], inbound_sessions: Callable[[], int],
+              sessions: Callable[[], list[PeerSessionInfo]]) -> None:
+        """Read the gauges from these functions at every scrape."""
         self.posted.set_function(posted_requests)
         self.inbound_sessions.set_function(inbound_sessions)
+        self.registry.register(PeerSessions(sessions))
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve the metrics on ``host``:``port`` (0: any free port); the port bound."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)
+
+
+class PeerSessions(Collector):
+    """``kvxfer_peer_sessions``: how many sessions are open, by peer, direction and the data
+    plane their transfers use, read at every scrape."""
+
+    def __init__(self, sessions: Callable[[], list[PeerSessionInfo]]) -> None:
+        self._sessions = sessions
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvxfer_peer_sessions", "Open sessions with peer daemons, by peer, direction "
+            "(outbound: we send) and data plane (local-copy, ucx-tagged)",
+            labels=["peer", "direction", "data_plane"])
+        counts = collections.Counter(
+            (info.peer_address, "outbound" if info.outbound else "inbound", info.data_plane.label)
+            for info in self._sessions())
+        for labels, count in sorted(counts.items()):
+            family.add_metric(list(labels), count)
+        yield family

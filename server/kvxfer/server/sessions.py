@@ -35,6 +35,7 @@ from kvxfer.server.limits import Limits, check_below, check_id
 from kvxfer.server.peer_client import PeerClient, PeerClients, WatchStream, time_left
 from kvxfer.server.peer_protocol import DaemonHello
 from kvxfer.server.tls import Caller
+from kvxfer.status import DataPlane, PeerSessionInfo
 from kvxfer.transport import Connection, Transport
 
 log = logging.getLogger("kvxfer.server.sessions")
@@ -103,6 +104,13 @@ class OutboundSession(Session):
     connection: Connection | None = None
     watch: asyncio.Task[None] | None = None
 
+    def info(self) -> PeerSessionInfo:
+        """The session as ``ListPeers`` reports it: a local copy when the peer said it maps
+        our pools (it then copies every transfer itself), else UCX tagged messages."""
+        plane = DataPlane.LOCAL_COPY if self.peer.reads_locally else DataPlane.UCX_TAGGED
+        lanes = 0 if self.peer.reads_locally or self.connection is None else self.connection.lanes
+        return PeerSessionInfo(self.address, True, self.session_id, plane, lanes)
+
 
 @dataclass(eq=False)
 class InboundSession(Session):
@@ -118,6 +126,14 @@ class InboundSession(Session):
     def peer_address(self) -> str:
         """Where the peer serves its peer API."""
         return self.peer.peer_address
+
+    def info(self) -> PeerSessionInfo:
+        """The session as ``ListPeers`` reports it: a local copy when we mapped the peer's
+        pools, else UCX tagged messages on as many lanes as the peer's handshake offered."""
+        plane = DataPlane.LOCAL_COPY if self.sources else DataPlane.UCX_TAGGED
+        lanes = 0 if self.sources else len(self.peer.ucx_ports)
+        return PeerSessionInfo(self.peer_address, False, self.session_id, plane, lanes,
+                               self.caller.name)
 
 
 def _map_all(files: dict[str, ArenaFile]) -> dict[str, PeerArena]:
@@ -154,6 +170,12 @@ class Sessions:
     def inbound_count(self) -> int:
         """Peers holding a session open to send to us."""
         return len(self._inbound)
+
+    def describe(self) -> list[PeerSessionInfo]:
+        """Every open session, outbound first (safe from another thread: the metrics')."""
+        sessions: list[OutboundSession | InboundSession] = [*list(self._outbound.values()),
+                                                            *list(self._inbound.values())]
+        return [s.info() for s in sessions if not s.lost.done()]
 
     # -- outbound --------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import grpc
 from kvxfer.server.audit import audited
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
+from kvxfer.server.sessions import Sessions
 from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.status import LeaseInfo
@@ -21,6 +22,7 @@ from kvxfer.wire.codec import (
     info_to_proto,
     lease_to_proto,
     lease_use_from_proto,
+    peer_session_to_proto,
     pool_info_to_proto,
     runs_from_proto,
 )
@@ -31,9 +33,11 @@ Context = grpc.aio.ServicerContext[Any, Any]
 class WorkerService(pb_grpc.KvxferServicer):
     """The API inference workers on this node call (see protos/kvxfer/v1/kvxfer.proto)."""
 
-    def __init__(self, pools: PoolRegistry, transfers: TransferCoordinator) -> None:
+    def __init__(self, pools: PoolRegistry, transfers: TransferCoordinator,
+                 sessions: Sessions) -> None:
         self._pools = pools
         self._transfers = transfers
+        self._sessions = sessions
         self._leases: PageLeases = transfers.leases
 
     def _lease_to_proto(self, lease: Lease, *, granted: bool = False) -> pb.Lease:
@@ -133,3 +137,6 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def ListLeases(self, request: pb.ListLeasesRequest,
                          context: Context) -> pb.ListLeasesResponse:
         return pb.ListLeasesResponse(leases=[self._lease_to_proto(lease) for lease in self._leases.all()])
+
+    async def ListPeers(self, request: pb.ListPeersRequest, context: Context) -> pb.ListPeersResponse:
+        return pb.ListPeersResponse(peers=[peer_session_to_proto(p) for p in self._sessions.describe()])
