@@ -1,4 +1,5 @@
-"""W3C trace context in gRPC metadata: how one request's trace crosses processes.
+"""What a call's gRPC metadata carries besides its message: the W3C trace context (how one
+request's trace crosses processes), and the name a worker gives itself.
 
 A worker's call to its daemon, and a daemon's call to its peer, carry the
 caller's current OpenTelemetry context as ``traceparent`` (and ``tracestate``)
@@ -12,6 +13,10 @@ from collections.abc import Iterable
 
 from opentelemetry import propagate
 from opentelemetry.context import Context
+
+#: The metadata key a worker names itself with (``KvxferClient.name``): self-declared, for
+#: the daemon's audit lines (workers share a node with their daemon and are trusted).
+WORKER_NAME_KEY = "kvxfer-worker"
 
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:

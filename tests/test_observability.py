@@ -8,6 +8,7 @@ would send), one is aborted.
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -57,14 +58,16 @@ def observed(tmp_path_factory):
 def test_audit_lines_name_who_claimed_committed_and_aborted(observed) -> None:
     """On the decode daemon: the prefill daemon's claim and commit of the verified push, by
     its peer name (its host here: no mutual TLS), and the worker's abort of the dropped
-    expect, by its address; each with its outcome."""
+    expect, by the name the library sends (its pid here) and its address; each with its
+    outcome."""
     _, dec = observed
     lines = [str(r["message"]) for r in _json_lines(dec) if r["logger"] == "kvxfer.audit"]
     def having(*words: str) -> list[str]:
         return [line for line in lines if all(word in line for word in words)]
     assert len(having("peer=", "claim transfer='observed'", ": ok")) == 1, lines
     assert len(having("peer=", "commit transfer='observed'", ": ok")) == 1, lines
-    assert len(having("worker='unix:", "abort transfer='dropped'", ": ok")) == 1, lines
+    assert len(having(f"worker='pid {os.getpid()}' at='unix:", "abort transfer='dropped'",
+                      ": ok")) == 1, lines
 
 
 def _scrape(daemon: LocalDaemon) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:

@@ -323,7 +323,10 @@ def test_after_daemon_restarts_answers_stay_right_and_transfers_resume(run) -> N
 
 def test_negative_control_without_the_prompt_digest_another_prompts_kv_changes_the_answer(
         unguarded) -> None:
-    assert same_as_plain({}, unguarded["plain"], unguarded["other_prompt"]) != ""
+    """An answer (HTTP 200, its prompt loaded from the transfer), not the plain one."""
+    answer = unguarded["other_prompt"]
+    assert "error" not in answer and unguarded["other_prompt_loaded"] > 0, answer
+    assert same_as_plain({}, unguarded["plain"], answer) != ""
 
 
 def test_negative_control_without_the_capability_check_a_wrong_capability_loads(unguarded) -> None:
@@ -335,7 +338,10 @@ def test_negative_control_without_the_dial_policy_a_peer_outside_it_is_dialled(u
 
 
 def test_negative_control_without_the_memory_epoch_a_restart_changes_the_answer(unguarded) -> None:
-    assert same_as_plain({}, unguarded["plain"], unguarded["after_decode_restart"]) != ""
+    """An answer (HTTP 200, its prompt loaded from the transfer), not the plain one."""
+    answer = unguarded["after_decode_restart"]
+    assert "error" not in answer and unguarded["after_decode_restart_loaded"] > 0, answer
+    assert same_as_plain({}, unguarded["plain"], answer) != ""
 
 
 def test_negative_control_without_strict_parsing_one_request_kills_the_decode_engine(

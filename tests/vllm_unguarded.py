@@ -73,7 +73,9 @@ def main() -> None:
 
         # digest: another prompt's params load that prompt's KV into this one.
         f_params = phase.prefilled("F", "forge-source")
+        before = counters(d, model)["external_kv_transfer"]
         out["other_prompt"] = phase.direct("G", f_params, "forged-other-prompt")
+        out["other_prompt_loaded"] = counters(d, model)["external_kv_transfer"] - before
 
         # capability: a wrong capability pulls the transfer anyway.
         stolen = phase.prefilled("R2", "capability-source")
@@ -96,8 +98,10 @@ def main() -> None:
         # new arena while the decode worker copies from its old mapping.
         assert d.decode_daemon is not None
         d.decode_daemon.restart()
-        out["after_decode_restart"] = phase.direct("D0", phase.prefilled("D0", "restart-source"),
-                                                   "after-restart")
+        restart_params = phase.prefilled("D0", "restart-source")
+        before = counters(d, model)["external_kv_transfer"]
+        out["after_decode_restart"] = phase.direct("D0", restart_params, "after-restart")
+        out["after_decode_restart_loaded"] = counters(d, model)["external_kv_transfer"] - before
 
         # parsing: one malformed request raises into vLLM's scheduler (last: it kills it).
         try:

@@ -4,7 +4,8 @@ vLLM engines of ``vllm_unguarded.py``, with some of the connector's guards switc
 through real engines; the connector has no such switch.
 
 - ``epoch``: workers keep their first mapping of a daemon's pool and name no memory epoch
-  (the library's default too), so a restarted daemon cannot refuse them;
+  (not even the library's default, its latest attach's), so a restarted daemon cannot
+  refuse them;
 - ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
   they come) and the connector's entry points unguarded, so a malformed request raises into
   vLLM's scheduler.

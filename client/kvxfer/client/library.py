@@ -17,6 +17,7 @@ Errors from the daemon arrive as typed ``kvxfer.errors`` exceptions.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -29,7 +30,7 @@ from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
-from kvxfer.propagation import outgoing_metadata
+from kvxfer.propagation import WORKER_NAME_KEY, outgoing_metadata
 from kvxfer.status import Completions, LeaseInfo, LeaseUse, PeerSessionInfo, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
@@ -129,9 +130,12 @@ class KvxferClient:
     check it).
     """
 
-    def __init__(self, address: str, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 10.0, name: str = "") -> None:
         self.address = address
         self.timeout_s = timeout_s
+        #: How the daemon's audit lines name this caller (self-declared: workers share a
+        #: node with their daemon and are trusted), sent with every call.
+        self.name = f"{name} (pid {os.getpid()})" if name else f"pid {os.getpid()}"
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KvxferStub(self._channel)
         self._health_check = health_check(self._channel)
@@ -139,7 +143,8 @@ class KvxferClient:
 
     def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
         try:
-            return method(request, timeout=timeout or self.timeout_s, metadata=outgoing_metadata())
+            return method(request, timeout=timeout or self.timeout_s,
+                          metadata=(*outgoing_metadata(), (WORKER_NAME_KEY, self.name)))
         except grpc.RpcError as exc:
             assert isinstance(exc, grpc.Call)  # what grpc raises for a failed call is both
             raise from_rpc_error(exc) from None

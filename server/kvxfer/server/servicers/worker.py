@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.propagation import WORKER_NAME_KEY
 from kvxfer.server.audit import audited
 from kvxfer.server.leases import Lease, PageLeases
 from kvxfer.server.pools import Pool, PoolRegistry
@@ -109,7 +110,9 @@ class WorkerService(pb_grpc.KvxferServicer):
         return info_to_proto(t.info())
 
     async def Abort(self, request: pb.AbortRequest, context: Context) -> pb.TransferStatus:
-        with audited(f"worker={context.peer()!r}", "abort", request.transfer_id):
+        declared = dict(context.invocation_metadata() or ()).get(WORKER_NAME_KEY, "")
+        with audited(f"worker={str(declared)[:80]!r} at={context.peer()!r}", "abort",
+                     request.transfer_id):
             t = self._transfers.abort(request.transfer_id, request.reason)
         return info_to_proto(t.info())
 

@@ -112,7 +112,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._scheduler = SchedulerSide(
                 settings, layout, engine_id, producer=producer,
                 consumer=bool(transfer.is_kv_consumer),
-                client=KvxferClient(settings.daemon) if producer else None)
+                client=KvxferClient(settings.daemon, name=f"vllm {engine_id} scheduler")
+                if producer else None)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

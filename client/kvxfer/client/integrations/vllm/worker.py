@@ -108,7 +108,7 @@ class WorkerSide:
         self._layout = layout
         self._engine_id = engine_id
         self._rank = rank
-        self._client = KvxferClient(settings.daemon)
+        self._client = KvxferClient(settings.daemon, name=f"vllm {engine_id} worker {rank}")
         self._stats = TransferStats(settings.stats_file)
         self._pool: AttachedPool | None = None
         self._epoch = ""
