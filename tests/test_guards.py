@@ -12,6 +12,7 @@ in ``test_vllm_trust.py``: a restart then changes the KV.)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -34,6 +35,8 @@ from kvxfer.errors import (
     TransferNotFoundError,
 )
 from kvxfer.pages import PageRuns
+from kvxfer.server.config import load_config
+from kvxfer.server.daemon import Daemon
 from kvxfer.server.dial_policy import DialPolicy
 from kvxfer.server.peer_protocol import Claim, Commit, PeerAbort, hello_from_request
 from kvxfer.server.tls import Caller
@@ -407,6 +410,22 @@ def test_dial_ports_limit_the_port_and_a_bare_ucx_host_passes(address: str, allo
     else:
         with pytest.raises(DialNotAllowedError, match=r"outside this daemon's dial_ports \(7500-7510\)"):
             run(check)
+
+
+@pytest.mark.parametrize(("allow", "ports", "warned"), [
+    (["10.0.0.0/8"], [], True), (["10.0.0.0/8"], ["7500"], False), (["127.0.0.0/8"], [], False)])
+def test_a_daemon_warns_when_params_may_aim_it_at_any_port_beyond_this_host(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, allow: list[str], ports: list[str],
+        warned: bool) -> None:
+    config = load_config(pool_flags=["name=kv,preset=tiny"], overrides={
+        "worker_address": f"unix://{tmp_path}/w.sock", "peer_address": "127.0.0.1:0",
+        "shm_dir": str(tmp_path), "dial_allow": allow, "dial_ports": ports})
+    async def build() -> None:  # its gRPC servers need a running loop
+        Daemon(config)
+
+    with caplog.at_level(logging.WARNING, logger="kvxfer.server"):
+        run(build)
+    assert ("set dial_ports to your daemons' peer port" in caplog.text) is warned
 
 
 @pytest.mark.parametrize("ports", [["0"], ["7510-7500"], ["http"], ["70000"], ["1-2-3"]])

@@ -139,8 +139,12 @@ class Daemon:
                          self._add_health(self._peer_server, PEER_SERVICE)]
         self.pools: PoolRegistry | None = None
         self.transport: Transport | None = None
-        self._clients = PeerClients(self.metrics, self._tls, DialPolicy(config.dial_allow, config.dial_ports),
-                                    frozenset(config.peer_allow))
+        policy = DialPolicy(config.dial_allow, config.dial_ports)
+        if not policy.ports and not all(n.is_loopback for n in policy.networks):
+            log.warning("dial_allow names networks beyond this host (%s) at any port: a request's "
+                        "params may aim this daemon at any service there; set dial_ports to "
+                        "your daemons' peer port", ", ".join(map(str, policy.networks)))
+        self._clients = PeerClients(self.metrics, self._tls, policy, frozenset(config.peer_allow))
         self.sessions: Sessions | None = None
         self.transfers: TransferCoordinator | None = None
         self._socket: Path | None = _unix_path(config.worker_address)
