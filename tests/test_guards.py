@@ -225,26 +225,20 @@ def requests_push_seen(side_: Side) -> float:
         side_.daemon.metrics.rpcs.labels("RequestPush", "NOT_FOUND")._value.get()
 
 
-def test_a_peer_outside_the_dial_policy_is_never_dialled(tmp_path: Path) -> None:
-    """The decode daemon may dial 127.0.0.2 only; the prefill daemon is at 127.0.0.1."""
+@pytest.mark.parametrize(("policy", "refusal"), [
+    ({"dial_allow": ["127.0.0.2/32"]}, "outside this daemon's dial_allow (127.0.0.2/32)"),
+    ({"dial_ports": ["1-2"]}, "outside this daemon's dial_ports (1-2)"),
+], ids=["host", "port"])
+def test_a_peer_outside_the_dial_policy_is_never_dialled(tmp_path: Path, policy: dict[str, Any],
+                                                        refusal: str) -> None:
+    """The prefill daemon is at 127.0.0.1 at a port the daemon picked: the decode daemon may
+    dial 127.0.0.2 only, or ports 1-2 only. Refused before any connection, counted, and the
+    offer never asked for."""
     async def body() -> None:
-        async with daemons(tmp_path, dial_allow=["127.0.0.2/32"]) as (sender, receiver):
+        async with daemons(tmp_path, **policy) as (sender, receiver):
             got = await pull(sender, receiver, "far")
             assert isinstance(got.failure, DialNotAllowedError), got.error
-            assert "outside this daemon's dial_allow (127.0.0.2/32)" in got.error
-            assert receiver.daemon.metrics.dials_refused._value.get() == 1
-            assert requests_push_seen(sender) == 0 and not delivered(sender, receiver)
-    run(body)
-
-
-def test_a_peer_at_a_port_outside_dial_ports_is_never_dialled(tmp_path: Path) -> None:
-    """An allowed host, but not at the daemons' peer port: refused before any connection,
-    counted, and the offer never asked for."""
-    async def body() -> None:
-        async with daemons(tmp_path, dial_ports=["1-2"]) as (sender, receiver):
-            got = await pull(sender, receiver, "other-service")
-            assert isinstance(got.failure, DialNotAllowedError), got.error
-            assert "outside this daemon's dial_ports (1-2)" in got.error
+            assert refusal in got.error
             assert receiver.daemon.metrics.dials_refused._value.get() == 1
             assert requests_push_seen(sender) == 0 and not delivered(sender, receiver)
     run(body)

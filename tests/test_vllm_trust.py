@@ -45,19 +45,25 @@ class Engines:
     kv_p: dict[str, torch.Tensor]
     kv_d: dict[str, torch.Tensor]
 
-    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
-        """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
-        ``dst``: whether every layer's blocks arrived equal, and the loads reported failed."""
+    def prefill(self, req_id: str, src: list[int], seed: int = 0) -> dict[str, Any]:
+        """Prefill a prompt of ``len(src)`` blocks (token ids shifted by ``seed``) in blocks
+        ``src`` and save it: the params its response carries."""
         tokens = 32 * len(src)
-        req = Request(f"{name}-p", tokens, {"do_remote_decode": True})
+        req = Request(req_id, tokens, {"do_remote_decode": True}, seed=seed)
         self.sched_p.update_state_after_alloc(req, src, 0)
-        plan = self.sched_p.build_plan({req.request_id: (0, tokens)}, lambda _: src)
-        self.work_p.bind(plan)
+        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: src))
         for layer, kv in self.kv_p.items():
             self.work_p.save_kv_layer(layer, kv)
         self.work_p.wait_for_save()
         params = self.sched_p.request_finished(req)
         assert params is not None, "the prefill side offered nothing"
+        return params
+
+    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
+        """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
+        ``dst``: whether every layer's blocks arrived equal, and the loads reported failed."""
+        tokens = 32 * len(src)
+        params = self.prefill(f"{name}-p", src)
         dreq = Request(f"{name}-d", tokens, params)
         assert self.sched_d.get_num_new_matched_tokens(dreq, 0) == (tokens, True)
         self.sched_d.update_state_after_alloc(dreq, dst, tokens)
@@ -185,13 +191,7 @@ def forged_hand_off(engines: Engines, decode_seed: int) -> tuple[str, set[str], 
     """Prefill a 2-block prompt (seed 0), then send its params with a decode request whose
     prompt has the same length but ``decode_seed``'s tokens: that request's id, the loads
     reported failed, and whether the decode blocks got the prefill KV."""
-    req = Request("a-p", 64, {"do_remote_decode": True})
-    engines.sched_p.update_state_after_alloc(req, [3, 7], 0)
-    engines.work_p.bind(engines.sched_p.build_plan({"a-p": (0, 64)}, lambda _: [3, 7]))
-    for layer, kv in engines.kv_p.items():
-        engines.work_p.save_kv_layer(layer, kv)
-    engines.work_p.wait_for_save()
-    params = engines.sched_p.request_finished(req)
+    params = engines.prefill("a-p", [3, 7])
     forged = Request("b-d", 64, params, seed=decode_seed)
     assert engines.sched_d.get_num_new_matched_tokens(forged, 0) == (64, True)
     engines.sched_d.update_state_after_alloc(forged, [5, 6], 64)
@@ -286,14 +286,7 @@ def test_forged_loads_fail_for_the_reason_the_oracle_predicts(engines) -> None:
         engines.fresh_kv(count)
         src, dst = list(range(blocks)), list(range(8, 8 + blocks))
         tokens = 32 * blocks
-        prefill = Request(f"p{count}", tokens, {"do_remote_decode": True}, seed=count)
-        engines.sched_p.update_state_after_alloc(prefill, src, 0)
-        engines.work_p.bind(engines.sched_p.build_plan({prefill.request_id: (0, tokens)}, lambda _: src))
-        for layer, kv in engines.kv_p.items():
-            engines.work_p.save_kv_layer(layer, kv)
-        engines.work_p.wait_for_save()
-        params = engines.sched_p.request_finished(prefill)
-        assert params is not None
+        params = engines.prefill(f"p{count}", src, seed=count)
         asks = ([copy.deepcopy(params), copy.deepcopy(params)] if forgery == "replayed"
                 else [forge(params, forgery)])
         for attempt, sent in enumerate(asks):

@@ -310,18 +310,18 @@ class KvxferClient:
         reply = self._call(self._stub.ListPools, pb.ListPoolsRequest())
         return {d.name: leased for d, _, leased in map(pool_info_from_proto, reply.pools)}
 
-    def peer_address(self) -> str:
-        """Where this daemon serves its peers (what a decode daemon's ``pull`` names)."""
-        return self._call(self._stub.Info, pb.DaemonInfoRequest()).peer_address
-
-    def epoch(self) -> str:
-        """The daemon's memory epoch: it changes when the daemon restarts (see ``AttachedPool``)."""
-        return self._call(self._stub.Info, pb.DaemonInfoRequest()).epoch
-
     def info(self) -> dict[str, str]:
         """The daemon's version, peer address and memory epoch."""
         reply = self._call(self._stub.Info, pb.DaemonInfoRequest())
         return {"version": reply.version, "peer_address": reply.peer_address, "epoch": reply.epoch}
+
+    def peer_address(self) -> str:
+        """Where this daemon serves its peers (what a decode daemon's ``pull`` names)."""
+        return self.info()["peer_address"]
+
+    def epoch(self) -> str:
+        """The daemon's memory epoch: it changes when the daemon restarts (see ``AttachedPool``)."""
+        return self.info()["epoch"]
 
     def peers(self) -> list[PeerSessionInfo]:
         """The daemon's open sessions with peer daemons, and the data plane each one uses."""
