@@ -33,7 +33,7 @@ from typing import Any
 import vllm_trust_phase
 from vllm_client import ask, ask_all, counters
 
-from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer, free_port
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
 
 HERE = Path(__file__).resolve().parent
@@ -78,7 +78,7 @@ def main() -> None:
     out: dict[str, Any] = {"model": model, "lengths": LENGTHS, "tp": args.tp}
     baseline = VllmServer("baseline", model, workdir, tp=args.tp).spawn()
     try:
-        free = vllm_trust_phase.free_port
+        free = free_port
         # TCP ports where vllm-router (the trust phase) must reach the engines.
         ports = (free(), free(), free()) if args.controls else None
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.

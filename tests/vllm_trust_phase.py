@@ -11,24 +11,14 @@ from __future__ import annotations
 
 import copy
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import httpx
 from vllm_client import ask, ask_all, counters, metric
 
-from kvxfer.client.integrations.vllm.deploy import (
-    Disaggregation,
-    http_client,
-    stop_process,
-    wait_healthy,
-)
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmRouter
 from kvxfer.client.integrations.vllm.tiny_model import prompt
 
 #: Top logprobs compared per generated token.
@@ -48,42 +38,6 @@ PROMPTS = {
 ABANDON_S = 3.0
 #: How long after a daemon restart transfers must flow again.
 RESUME_S = 60.0
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (vllm-router needs TCP addresses)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class Router:
-    """``vllm-router --vllm-pd-disaggregation`` in front of the deployment's engines, as vLLM
-    users run it (``--kv-connector nixl``: kvxfer follows NixlConnector's params convention)."""
-
-    def __init__(self, d: Disaggregation) -> None:
-        assert d.prefill is not None and d.decode is not None
-        self.address = f"http://127.0.0.1:{free_port()}"
-        self._log = d.workdir / "router.log"
-        self._args = [str(Path(sys.executable).parent / "vllm-router"), "--vllm-pd-disaggregation",
-                      "--prefill", d.prefill.address, "--decode", d.decode.address,
-                      "--host", "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
-                      "--kv-connector", "nixl", "--policy", "round_robin"]
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Router:
-        with open(self._log, "wb") as log:
-            self._process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
-        wait_healthy(self.address, self._process, "vllm-router", self._log, 60.0)
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self._process is not None:
-            stop_process(self._process)
-
-    def client(self) -> Any:
-        return http_client(self.address, 300.0)
 
 
 def malformed(layout: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,7 +67,7 @@ class Phase:
         with self.d.decode.client() as http:
             return self._asked(http, name, params, case)
 
-    def routed(self, router: Router, name: str, case: str) -> dict[str, Any]:
+    def routed(self, router: VllmRouter, name: str, case: str) -> dict[str, Any]:
         """``PROMPTS[name]`` through vllm-router."""
         with router.client() as http:
             return self._asked(http, name, None, case)
@@ -217,7 +171,7 @@ def aborted_case(phase: Phase) -> None:
         "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
 
 
-def restart_cases(phase: Phase, router: Router) -> None:
+def restart_cases(phase: Phase, router: VllmRouter) -> None:
     """A daemon killed (SIGKILL) and restarted between requests (through the proxy), then
     under 3 requests in flight through vllm-router; each time, answers and how soon
     transfers moved again."""
@@ -252,7 +206,7 @@ def ask_all_named(phase: Phase, names: list[str], prefix: str) -> list[dict[str,
     return answers
 
 
-def resume(phase: Phase, router: Router, waves: Any, since: float,
+def resume(phase: Phase, router: VllmRouter, waves: Any, since: float,
            record: list[dict[str, Any]]) -> float | None:
     """Seconds from ``since`` until a new prompt through vllm-router is loaded from the
     prefill side again (None if not within ``RESUME_S``); every answer goes to ``record``."""
@@ -326,7 +280,8 @@ def run(d: Disaggregation, model: str, sample: list[tuple[Any, str]]) -> dict[st
     forged_cases(phase)
     sampled_cases(phase, sample)
     aborted_case(phase)
-    with Router(d) as router:
+    assert d.prefill is not None and d.decode is not None
+    with VllmRouter.pd(d.prefill.address, d.decode.address, d.workdir / "router.log") as router:
         restart_cases(phase, router)
     phase.out["capabilities_logged"] = capabilities_logged(phase)
     return phase.out

