@@ -11,7 +11,16 @@ total latency of both (medians over rounds) and their ratio; and per
 disaggregated request, from the connector's records: the transfer time as the
 decode engine saw it, the daemon's own transfer time, the copy-out (prefill
 blocks to daemon pages) and copy-in (daemon pages to decode blocks) times and
-the bytes moved. Needs the vLLM environment (./scripts/setup-vllm.sh).
+the bytes moved. Then, per prompt length, where a disaggregated request's time to
+first token went, in order (medians, ms), from this client's clock and the
+connector's own timestamps (``kvxfer.client.integrations.vllm.stats``):
+``prefill`` (request sent to the prefill engine's offer of its KV: prefill compute,
+copy-out and the offer call), ``to_decode`` (offer to the decode scheduler planning
+the load: the prefill's answer through the proxy to the decode engine), ``to_start``
+(plan to the worker starting it), ``lease`` and ``pull_call`` (the worker's two
+calls), ``transfer`` (the daemons' pull until the worker took its ending),
+``copy_in``, and ``first_token`` (copy-in done to the first token streamed here).
+Needs the vLLM environment (./scripts/setup-vllm.sh).
 """
 
 from __future__ import annotations
@@ -27,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.stats import LOAD_STEPS
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
+
+#: The segments of a disaggregated request's time to first token, in order.
+SEGMENTS = ("prefill", "to_decode", "to_start", "lease", "pull_call", "transfer", "copy_in",
+            "first_token")
 
 
 def stream(http: Any, model: str, text: str, request_id: str, new_tokens: int) -> tuple[float, float]:
@@ -55,9 +69,10 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     model = args.model or str(build(str(workdir / "model")))
     times: dict[str, dict[int, dict[str, list[float]]]] = {
         kind: {n: {"ttft": [], "total": []} for n in lengths} for kind in ("single", "disaggregated")}
+    sent: dict[str, tuple[int, float, float]] = {}  # request id: prompt length, sent, first token
     baseline = VllmServer("baseline", model, workdir, max_model_len=2048).spawn()
     try:
-        with Disaggregation(model, workdir, num_pages=2048) as d:
+        with Disaggregation(model, workdir, num_pages=2048, max_model_len=2048) as d:
             baseline.wait_ready()
             with baseline.client() as single, d.client() as disagg:
                 for n in lengths:  # warm-up: first requests pay one-time costs
@@ -67,8 +82,11 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     order = [("single", single), ("disaggregated", disagg)]
                     for n in lengths:
                         for kind, http in order if r % 2 == 0 else order[::-1]:
+                            request_id = f"bench-{kind[0]}-{r}-{n}"
+                            start_unix = time.time()
                             first, total = stream(http, model, prompt(1000 * r + n, n),
-                                                  f"bench-{kind[0]}-{r}-{n}", args.new_tokens)
+                                                  request_id, args.new_tokens)
+                            sent[request_id] = (n, start_unix, start_unix + first)
                             times[kind][n]["ttft"].append(first)
                             times[kind][n]["total"].append(total)
             stats = {side: [json.loads(x) for x in (workdir / f"{side}-stats.jsonl").read_text().splitlines()]
@@ -77,10 +95,19 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         baseline.stop()
     copy_out = {s["transfer_id"]: s for s in stats["prefill"]}
     per_request = []
+    segments: dict[int, dict[str, list[float]]] = {n: {k: [] for k in SEGMENTS} for n in lengths}
     for s in stats["decode"]:
         if "-bench-d-" not in s["transfer_id"] or not s.get("ok"):
             continue
         out = copy_out.get(s["transfer_id"], {})
+        request_id = next((r for r in sent if r in s["req_id"]), None)
+        if request_id is not None and out:
+            n, start_unix, first_unix = sent[request_id]
+            planned = s["planned_unix"]
+            marks = [start_unix, out["unix_time"], planned,
+                     *(planned + s[f"{step}_s"] for step in LOAD_STEPS), first_unix]
+            for name, (a, b) in zip(SEGMENTS, zip(marks, marks[1:]), strict=True):
+                segments[n][name].append(b - a)
         per_request.append({"request": s["req_id"], "pages": s["pages"], "bytes": s["bytes"],
                             "transfer_ms": round(s["transfer_s"] * 1e3, 2),
                             "daemon_transfer_ms": round(s["daemon_s"] * 1e3, 2),
@@ -89,6 +116,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"model": args.model or "the tiny test model", "rounds": args.rounds,
                               "new_tokens": args.new_tokens, "by_prompt_tokens": {},
                               "requests": per_request}
+    result["ttft_breakdown_ms"] = {n: {k: ms(v) for k, v in segments[n].items() if v}
+                                   for n in lengths}
     for n in lengths:
         one, split = times["single"][n], times["disaggregated"][n]
         result["by_prompt_tokens"][n] = {
@@ -127,6 +156,10 @@ def main() -> int:
         print(f"{n:>13} {row['single_ttft_ms']:>12} {row['disaggregated_ttft_ms']:>12} "
               f"{row['ttft_ratio']:>6} {row['single_total_ms']:>13} "
               f"{row['disaggregated_total_ms']:>13} {row['total_ratio']:>6}")
+    print("\nwhere a disaggregated request's time to first token went (medians, ms):")
+    print(f"{'prompt tokens':>13} " + " ".join(f"{k:>11}" for k in SEGMENTS))
+    for n, row in result["ttft_breakdown_ms"].items():
+        print(f"{n:>13} " + " ".join(f"{row.get(k, 0.0):>11}" for k in SEGMENTS))
     print(f"\n{'request':>44} {'pages':>5} {'bytes':>9} {'transfer':>9} {'daemon':>7} "
           f"{'copy-out':>9} {'copy-in':>8}")
     for x in result["requests"]:

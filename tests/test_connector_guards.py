@@ -23,7 +23,7 @@ VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 FALLBACKS = {
     "get_num_new_matched_tokens": "(0, False)",  # load nothing: computed here
     "update_state_after_alloc": "None",  # a load that fails at once is planned
-    "build_connector_meta": "KvxferMetadata(plan=StepPlan(saves=[], loads=[], cancels=[]))",
+    "build_connector_meta": "KvxferMetadata(plan=StepPlan(saves=[], loads=[], cancels=[], idle=False))",
     "update_connector_output": "None",
     "request_finished": "(False, None)",  # blocks freed, no params: the decode side computes
     "bind_connector_metadata": "None",

@@ -25,9 +25,10 @@ from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, POOL, Request, kv_caches, settings, wait_finished
 
 from kvxfer.client import KvxferClient
+from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
-from kvxfer.client.integrations.vllm.worker import WorkerSide
+from kvxfer.client.integrations.vllm.worker import IDLE_WAIT_S, WorkerSide
 from kvxfer.status import LeaseUse
 from kvxfer.wire.codec import lease_use_to_proto
 
@@ -146,9 +147,10 @@ def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, 
 @pytest.mark.parametrize("lost", [True, False], ids=["guarded", "negative-control"])
 def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkeypatch,
                                                                   lost: bool) -> None:
-    """Its transfer died with the daemon: the load fails at the next step, not at its
-    deadline. The prefill daemon is stopped (SIGSTOP) so that the pull stays in flight.
-    Negative control: without ``_lost`` the load would wait for its deadline."""
+    """Its transfer died with the daemon: the load fails as soon as the worker hears of the
+    new daemon (within a second), not at its deadline (30 s). The prefill daemon is stopped
+    (SIGSTOP) so that the pull stays in flight. Negative control: without ``_lost`` the
+    load would wait for its deadline."""
     if not lost:
         monkeypatch.setattr(WorkerSide, "_lost", lambda self, epoch: None)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
@@ -164,11 +166,43 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
         time.sleep(0.5)
         assert engines.work_d.get_finished() == set()  # the pull waits on the frozen daemon
         engines.dec.restart()
-        finished = engines.work_d.get_finished()
+        finished = set()
+        until = time.monotonic() + 1.0
+        while not finished and time.monotonic() < until:
+            finished = engines.work_d.get_finished()
     finally:
         os.kill(engines.pre.pid, signal.SIGCONT)
     assert (finished, engines.work_d.take_failed()) == (({"orphan"}, {"orphan"}) if lost
                                                         else (set(), set()))
+
+
+@pytest.mark.parametrize("idle", [True, False], ids=["idle-step", "busy-step"])
+def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatch,
+                                                             idle: bool) -> None:
+    """A step that computes no token, with a load in flight, waits up to IDLE_WAIT_S for
+    endings (instead of spinning a core the daemons need); a step that computes tokens
+    never waits. The prefill daemon is stopped (SIGSTOP) so that the pull stays in flight."""
+    waits: list[float] = []
+    wait = CompletionFeed.wait
+    monkeypatch.setattr(CompletionFeed, "wait",
+                        lambda self, timeout_s: waits.append(timeout_s) or wait(self, timeout_s))
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "kvxfer": {"version": 1, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict()}}
+    dreq = Request("waiting", 64, params)
+    engines.sched_d.get_num_new_matched_tokens(dreq, 0)
+    engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
+    os.kill(engines.pre.pid, signal.SIGSTOP)
+    try:
+        engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+        engines.work_d.start_load_kv()
+        busy = {"running": (64, 1)}
+        for _ in range(3):
+            engines.work_d.bind(engines.sched_d.build_plan({} if idle else busy, lambda _: []))
+            assert engines.work_d.get_finished() == set()
+    finally:
+        os.kill(engines.pre.pid, signal.SIGCONT)
+    assert waits == ([IDLE_WAIT_S] * 3 if idle else [])
 
 
 def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:

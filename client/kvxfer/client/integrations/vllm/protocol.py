@@ -181,7 +181,8 @@ class Load:
     """Decode: each rank pulls its transfer of ``transfer_id`` (``num_pages`` pages) from
     ``peer`` with its rank's capability and the request's ``prompt_digest``, then copies
     page ``first_page + i`` into ``block_ids[i]`` (earlier pages are a local prefix-cache
-    hit). A load with ``refused`` set fails at once, moving nothing."""
+    hit). A load with ``refused`` set fails at once, moving nothing. ``planned_unix``:
+    when the scheduler planned it (where its timeline in the stats starts)."""
 
     req_id: str
     transfer_id: str
@@ -192,6 +193,7 @@ class Load:
     refused: str = ""
     capabilities: tuple[str, ...] = field(default=(), repr=False)
     prompt_digest: bytes = b""
+    planned_unix: float = 0.0
 
 
 @dataclass
@@ -201,3 +203,5 @@ class StepPlan:
     saves: list[Save] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)
+    #: The step computes no token: the worker may wait a little for its loads' endings.
+    idle: bool = False

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -155,7 +156,8 @@ class SchedulerSide:
         first = local // block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
                                     num_pages, first, tuple(block_ids[first:num_pages]),
-                                    capabilities=remote.capabilities, prompt_digest=digest))
+                                    capabilities=remote.capabilities, prompt_digest=digest,
+                                    planned_unix=time.time()))
         self._loading.add(request.request_id)
 
     def finished_loading(self, req_ids: set[str]) -> None:
@@ -169,7 +171,7 @@ class SchedulerSide:
         """This step's plan; ``scheduled`` gives each scheduled request's (computed tokens,
         tokens scheduled now). The loads leave ``_new_loads`` only with the finished plan:
         if anything here raised, ``failed_plan`` still fails them."""
-        plan = StepPlan()
+        plan = StepPlan(idle=not scheduled)
         for req_id, request in list(self._to_save.items()):
             if req_id not in scheduled:
                 continue

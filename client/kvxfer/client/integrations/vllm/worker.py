@@ -10,7 +10,8 @@ into its leased pages as the forward computes them (copy-out); ``wait_for_save``
 offers the pages as the request's transfer, lease ending with it, so the
 engine's blocks are free at once. Decode: ``start_load_kv`` leases pages and
 starts a pull per planned load and returns; ``get_finished`` asks the daemon
-once per step which transfers ended (batched completion), copies finished ones
+which transfers ended (a ``CompletionFeed``, in a thread of its own, long-polls the
+daemon for them, so the step makes no call), copies finished ones
 into the request's blocks (copy-in) and reports them; failed ones are reported
 failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
 recomputes or fails them, never serves them. A load dropped because its request
@@ -26,20 +27,20 @@ reads or writes a stale mapping, and dropping it frees the old arena's memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
+from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
+from kvxfer.client.integrations.vllm.stats import LoadTimeline, TransferStats
 from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.errors import (
     IncompatibleLayoutError,
@@ -55,6 +56,10 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 
 #: How long past its deadline a load may stay unreported before the worker fails it itself.
 EXPIRY_GRACE_S = 10.0
+#: How long a step that computes nothing waits for its loads' endings. Such a step would
+#: otherwise return at once and vLLM would step again, spinning a core that the daemons,
+#: moving those very loads, need; a request arriving meanwhile waits at most this long.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass
@@ -68,23 +73,7 @@ class PendingLoad:
     started: float
     epoch: str
     registered_unix: float
-
-
-class TransferStats:
-    """One JSON line per transfer (``stats_file``): what the benchmark reads."""
-
-    def __init__(self, path: str) -> None:
-        self._path = Path(path) if path else None
-
-    def record(self, **fields: Any) -> None:
-        """Append one record; never raises (a full disk must not stop the engine's step)."""
-        if self._path is None:
-            return
-        try:
-            with self._path.open("a") as out:
-                out.write(json.dumps({"unix_time": time.time(), **fields}) + "\n")
-        except OSError as exc:
-            log.warning("kvxfer: could not write %s: %s", self._path, exc)
+    timeline: LoadTimeline
 
 
 def _layer_index(name: str) -> int:
@@ -128,6 +117,9 @@ class WorkerSide:
         #: NO_ENDING (past its deadline), COPY_FAILED, or an exception's type.
         self.load_failures: Counter[str] = Counter()
         self._cursor = 0
+        self._feed: CompletionFeed | None = None  # from the first load on
+        #: Releases leases off the step: a release's round trip would hold up the landing step.
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-release")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
@@ -168,6 +160,9 @@ class WorkerSide:
 
     def _detach(self) -> None:
         self._epoch = ""
+        if self._feed is not None:  # it followed the daemon we mapped: start anew from now
+            self._feed.close()
+            self._feed = None
         if self._pool is not None:
             self._pages = torch.empty(0, dtype=torch.uint8)
             self._pool.detach()
@@ -237,6 +232,7 @@ class WorkerSide:
         nbytes = len(save.block_ids) * self._layout.num_layers * self._layout.block_bytes
         transfer_id = rank_transfer(save.transfer_id, self._rank, self._layout.tp_size)
         pages, lease_id = save.pages[self._rank], save.lease_ids[self._rank]
+        start = time.perf_counter()
         try:
             self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
                                timeout_s=self._settings.timeout_s, verify=save.verify,
@@ -248,7 +244,8 @@ class WorkerSide:
             self._release(lease_id)
         self._stats.record(role="prefill", transfer_id=transfer_id, req_id=save.req_id,
                            rank=self._rank, pages=len(pages), bytes=nbytes,
-                           copy_s=self._copy_out.pop(save.transfer_id, 0.0))
+                           copy_s=self._copy_out.pop(save.transfer_id, 0.0),
+                           offer_s=time.perf_counter() - start)
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -277,8 +274,11 @@ class WorkerSide:
         transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
         if transfer_id in self._pending or transfer_id in self._releasing:
             raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
+        timeline = LoadTimeline(load.planned_unix)
+        timeline.mark("started")
         lease = self._client.allocate(self._settings.pool, load.num_pages,
                                       self._settings.lease_s, holder=f"vllm {self._engine_id}")
+        timeline.mark("leased")
         try:
             self._current(lease.arena_epoch)
             pulled = self._client.pull(
@@ -289,8 +289,11 @@ class WorkerSide:
         except BaseException:
             self._release(lease.lease_id)
             raise
+        timeline.mark("pulled")
         self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch,
-                                                 pulled.created_unix)
+                                                 pulled.created_unix, timeline)
+        if self._feed is None:
+            self._feed = CompletionFeed(self._client, self._cursor)
 
     def _release_after(self, transfer_id: str, pending: PendingLoad) -> None:
         """Release ``pending``'s lease once the daemon reports its transfer ended: until then
@@ -310,14 +313,25 @@ class WorkerSide:
         return finished
 
     def _poll(self) -> None:
-        ended = self._client.completions(self._cursor)
-        if ended.epoch != self._epoch:
-            self._lost(ended.epoch)
+        if self._feed is None:
             return
-        infos = ended.transfers
-        if ended.missed:  # the daemon no longer keeps some endings: ask for ours
-            infos = [i for i in self._client.transfers() if i.state.final]
-        self._cursor = ended.cursor
+        if self._plan.idle and self._pending:
+            self._feed.wait(IDLE_WAIT_S)
+        batches, error = self._feed.take()
+        if error is not None:
+            log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
+                        type(error).__name__, error)
+        for ended in batches:
+            if ended.epoch != self._epoch:
+                self._lost(ended.epoch)
+                continue
+            infos = ended.transfers
+            if ended.missed:  # the daemon no longer keeps some endings: ask for ours
+                infos = [i for i in self._client.transfers() if i.state.final]
+            self._settle(infos)
+
+    def _settle(self, infos: list[TransferInfo]) -> None:
+        """Settle the loads and dropped loads whose transfers ``infos`` say ended."""
         for info in infos:
             dropped = self._releasing.get(info.transfer_id)
             if dropped is not None and info.created_unix == dropped.registered_unix:
@@ -367,6 +381,7 @@ class WorkerSide:
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
         transfer_s = time.perf_counter() - pending.started
+        pending.timeline.mark("ended")
         if not info.ok:
             self._release(pending.lease.lease_id)
             self._fail(load, f"transfer {info.state.name}: {info.error}",
@@ -378,12 +393,14 @@ class WorkerSide:
         for layer, kv in enumerate(self._kv):
             kv[blocks] = self._pages[pages, layer]
         copy_s = time.perf_counter() - start
+        pending.timeline.mark("landed")
         self._release(pending.lease.lease_id)
         self._finished.add(load.req_id)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=True, pages=load.num_pages, bytes=info.bytes,
-                           transfer_s=transfer_s, daemon_s=info.seconds, copy_s=copy_s,
-                           verified=info.verified)
+                           transfer_s=transfer_s, daemon_s=info.seconds,
+                           daemon_data_s=info.data_seconds, copy_s=copy_s,
+                           verified=info.verified, **pending.timeline.fields())
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
         self.load_failures[reason] += 1
@@ -403,7 +420,13 @@ class WorkerSide:
     # -- both ------------------------------------------------------------------------------------
 
     def _release(self, lease_id: str) -> None:
-        """Release a lease; never raises (the daemon frees it when it expires)."""
+        """Release a lease, off the step; never raises (the daemon frees it when it expires)."""
+        try:
+            self._releaser.submit(self._release_now, lease_id)
+        except RuntimeError:  # shut down already: release here
+            self._release_now(lease_id)
+
+    def _release_now(self, lease_id: str) -> None:
         try:
             self._client.release(lease_id)
         except LeaseNotFoundError:
@@ -424,6 +447,7 @@ class WorkerSide:
             self._abort(tid, "the engine shut down")
             self._release(pending.lease.lease_id)
         self._pending.clear()
+        self._releaser.shutdown(wait=True)
         self._detach()
         self._client.close()
 
