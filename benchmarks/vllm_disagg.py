@@ -17,8 +17,8 @@ connector's own timestamps (``kvxfer.client.integrations.vllm.stats``):
 ``prefill`` (request sent to the prefill engine's offer of its KV: prefill compute,
 copy-out and the offer call), ``to_decode`` (offer to the decode scheduler planning
 the load: the prefill's answer through the proxy to the decode engine), ``to_start``
-(plan to the worker starting it), ``lease`` and ``pull_call`` (the worker's two
-calls), ``transfer`` (the daemons' pull until the worker took its ending),
+(plan to the worker starting it), ``lease_and_pull`` (the worker's one call to its
+daemon), ``transfer`` (the daemons' pull until the worker took its ending),
 ``copy_in``, and ``first_token`` (copy-in done to the first token streamed here).
 Needs the vLLM environment (./scripts/setup-vllm.sh).
 """
@@ -40,7 +40,7 @@ from kvxfer.client.integrations.vllm.stats import LOAD_STEPS
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
 
 #: The segments of a disaggregated request's time to first token, in order.
-SEGMENTS = ("prefill", "to_decode", "to_start", "lease", "pull_call", "transfer", "copy_in",
+SEGMENTS = ("prefill", "to_decode", "to_start", "lease_and_pull", "transfer", "copy_in",
             "first_token")
 
 

@@ -22,6 +22,9 @@ THP_ENABLED = THP.exists() and "[never]" not in THP.read_text()
 
 
 VLLM_PYTHON = BENCHMARKS.parent / ".venv-vllm" / "bin" / "python"
+#: Where vllm_disagg.py says a disaggregated request's time to first token went.
+SEGMENTS = {"prefill", "to_decode", "to_start", "lease_and_pull", "transfer", "copy_in",
+            "first_token"}
 
 
 def run_benchmark(script: str, *args: str, timeout: float = 240, python: str = sys.executable) -> dict:
@@ -72,13 +75,18 @@ def test_transfer_latency_reports_every_case() -> None:
         assert got[f"{case}_cpu_ms_total"] == pytest.approx(sum(parts), abs=0.01)
 
 
-@pytest.mark.timeout(600)
-def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
+def require_vllm() -> None:
+    """Skip (fail, where CI requires it) when the vLLM environment is missing."""
     if not VLLM_PYTHON.exists():
         message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
         if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.mark.timeout(600)
+def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
+    require_vllm()
     workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*"))
     got = run_benchmark("vllm_disagg.py", "--rounds", "1", "--lengths", "32,96", "--new-tokens", "4",
                         "--json", timeout=500, python=str(VLLM_PYTHON))
@@ -89,3 +97,22 @@ def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
     assert [r["pages"] for r in got["requests"]] == [1, 3]
     assert all(r["bytes"] == r["pages"] * 32768 and r["copy_in_ms"] > 0 and r["copy_out_ms"] > 0
                for r in got["requests"])
+    for n in ("32", "96"):  # every segment of the time to first token, each taking some time
+        assert set(got["ttft_breakdown_ms"][n]) == set(SEGMENTS)
+        assert all(ms > 0 for ms in got["ttft_breakdown_ms"][n].values()), got["ttft_breakdown_ms"]
+
+
+@pytest.mark.timeout(600)
+def test_the_nixl_benchmark_runs_every_deployment_through_vllm_router() -> None:
+    """kvxfer P/D, NixlConnector P/D and the plain engine, each behind vllm-router, timed by
+    vLLM's bench serve (the stock-NIXL phase is left out here: it busy-polls a core)."""
+    require_vllm()
+    workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-vs-nixl-*"))
+    got = run_benchmark("vllm_vs_nixl.py", "--rounds", "1", "--lengths", "64", "--prompts", "2",
+                        "--new-tokens", "4", "--no-stock", "--json", timeout=500,
+                        python=str(VLLM_PYTHON))
+    assert set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-vs-nixl-*")) == workdirs, \
+        "the benchmark left its work directory behind"
+    row = got["side_by_side"]["64"]
+    assert all(row[f"{kind}_ttft_ms"] > 0 for kind in ("single", "kvxfer", "nixl"))
+    assert row["kvxfer_vs_nixl"] > 0 and got["stock_nixl_phase"] == {}

@@ -18,10 +18,12 @@ from kvxfer.errors import (
     LeaseExpiredError,
     LeaseNotFoundError,
     PoolExhaustedError,
+    StaleArenaError,
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import FreePages
 from kvxfer.status import LeaseUse
+from kvxfer.v1 import kvxfer_pb2 as pb
 
 TINY = "name=kv,preset=tiny"  # 64 pages
 
@@ -136,6 +138,40 @@ def test_a_hundred_leased_transfers_leak_no_page(spawn) -> None:
         assert p.leased_pages() == {"kv": 0} and d.leased_pages() == {"kv": 0}
         assert p.leases() == [] and d.leases() == []
     assert elapsed < 60
+
+
+def test_lease_and_pull_fills_a_new_lease_in_one_call_and_a_refused_one_leaves_none(
+        spawn) -> None:
+    """The decode worker's Allocate and Pull in one round trip: the bytes land in the new
+    lease's pages, which stay leased after the transfer until released. A pull refused at
+    once (a stale memory epoch, no capability, a destination named twice) leaves no lease."""
+    pre, dec = spawn("prefill", [TINY]), spawn("decode", [TINY])
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 7)
+        out = p.allocate("kv", 3, lease_s=30)
+        p.offer("one-call", "kv", out.runs, timeout_s=30, lease_id=out.lease_id,
+                release_lease=True)
+        before = dst.raw.clone()
+        lease, pulled = d.lease_and_pull("one-call", pre.peer_address, "kv", 3, timeout_s=30,
+                                         holder="decode", capability=out.capability)
+        assert lease.runs.num_pages == 3 and pulled.transfer_id == "one-call"
+        assert d.wait("one-call").ok
+        assert_moved(src, dst, out.runs, lease.runs, before)
+        assert [held.lease_id for held in d.leases()] == [lease.lease_id]  # outlives it
+        d.release(lease.lease_id)
+        with pytest.raises(StaleArenaError, match="re-attach"):
+            d.lease_and_pull("stale", pre.peer_address, "kv", 2, timeout_s=30,
+                             arena_epoch="f" * 32, capability=out.capability)
+        with pytest.raises(InvalidArgumentError, match="capability"):
+            d.lease_and_pull("no-capability", pre.peer_address, "kv", 2, timeout_s=30)
+        twice = pb.LeasePullRequest(lease=pb.AllocateRequest(pool="kv", pages=2),
+                                    pull=pb.PullRequest(transfer_id="twice", peer=pre.peer_address,
+                                                        capability=out.capability,
+                                                        dst_runs=[pb.PageRun(start=0, count=2)]))
+        with pytest.raises(InvalidArgumentError, match="pull.dst_runs"):
+            d._call(d._stub.LeasePull, twice)
+        assert d.leases() == [] and d.leased_pages() == {"kv": 0}
 
 
 def test_an_offer_nobody_pulls_gives_its_pages_back_at_its_deadline(tmp_path: Path) -> None:

@@ -951,6 +951,65 @@ class PullRequest(_message.Message):
 Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
 
 @_typing.final
+class LeasePullRequest(_message.Message):
+    """Allocate ``lease`` as Allocate does, then pull into its pages as Pull does (pull.pool
+    empty or the lease's; pull.dst_runs and pull.lease.lease_id empty: the new lease's pages
+    are the destination; pull.lease.arena_epoch names the caller's mapping, as in Pull). The
+    lease outlives the transfer: read its pages, then Release it. If the pull is refused,
+    the lease is released and the call fails as Pull would.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___AllocateRequest: ...
+    @_builtins.property
+    def pull(self) -> Global___PullRequest: ...
+    def __init__(
+        self,
+        *,
+        lease: Global___AllocateRequest | None = ...,
+        pull: Global___PullRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "pull", b"pull"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "pull", b"pull"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeasePullRequest: _TypeAlias = LeasePullRequest  # noqa: Y015
+
+@_typing.final
+class LeasePullResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_FIELD_NUMBER: _builtins.int
+    TRANSFER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def lease(self) -> Global___Lease:
+        """as Allocate answers it"""
+
+    @_builtins.property
+    def transfer(self) -> Global___TransferStatus:
+        """as Pull answers it"""
+
+    def __init__(
+        self,
+        *,
+        lease: Global___Lease | None = ...,
+        transfer: Global___TransferStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "transfer", b"transfer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "transfer", b"transfer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeasePullResponse: _TypeAlias = LeasePullResponse  # noqa: Y015
+
+@_typing.final
 class WaitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class KvxferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PullRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferStatus.FromString,
                 _registered_method=True)
+        self.LeasePull = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/LeasePull',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullResponse.FromString,
+                _registered_method=True)
         self.Wait = channel.unary_unary(
                 '/kvxfer.v1.Kvxfer/Wait',
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.WaitRequest.SerializeToString,
@@ -162,6 +167,14 @@ class KvxferServicer:
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeasePull(self, request, context):
+        """Lease pages and pull into them in one call, one round trip instead of a decode
+        worker's Allocate and Pull: see LeasePullRequest.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -263,6 +276,11 @@ def add_KvxferServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PullRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.TransferStatus.SerializeToString,
+            ),
+            'LeasePull': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeasePull,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullResponse.SerializeToString,
             ),
             'Wait': grpc.unary_unary_rpc_method_handler(
                     servicer.Wait,
@@ -504,6 +522,33 @@ class Kvxfer:
             '/kvxfer.v1.Kvxfer/Pull',
             kvxfer_dot_v1_dot_kvxfer__pb2.PullRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.TransferStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeasePull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/LeasePull',
+            kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.LeasePullResponse.FromString,
             options,
             channel_credentials,
             insecure,

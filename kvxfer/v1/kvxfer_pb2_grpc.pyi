@@ -46,6 +46,10 @@ class KvxferStub:
     Push: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.PushRequest, _kvxfer_pb2.TransferStatus]
     Offer: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.OfferRequest, _kvxfer_pb2.TransferStatus]
     Pull: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.PullRequest, _kvxfer_pb2.TransferStatus]
+    LeasePull: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.LeasePullRequest, _kvxfer_pb2.LeasePullResponse]
+    """Lease pages and pull into them in one call, one round trip instead of a decode
+    worker's Allocate and Pull: see LeasePullRequest.
+    """
     Wait: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]
     Abort: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]
@@ -67,6 +71,10 @@ class KvxferAsyncStub(KvxferStub):
     Push: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.PushRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     Offer: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.OfferRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     Pull: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.PullRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    LeasePull: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.LeasePullRequest, _kvxfer_pb2.LeasePullResponse]  # type: ignore[assignment]
+    """Lease pages and pull into them in one call, one round trip instead of a decode
+    worker's Allocate and Pull: see LeasePullRequest.
+    """
     Wait: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     Abort: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     ListTransfers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]  # type: ignore[assignment]
@@ -127,6 +135,16 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         request: _kvxfer_pb2.PullRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+
+    @_abc_1.abstractmethod
+    def LeasePull(
+        self,
+        request: _kvxfer_pb2.LeasePullRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.LeasePullResponse, _abc.Awaitable[_kvxfer_pb2.LeasePullResponse]]:
+        """Lease pages and pull into them in one call, one round trip instead of a decode
+        worker's Allocate and Pull: see LeasePullRequest.
+        """
 
     @_abc_1.abstractmethod
     def Wait(

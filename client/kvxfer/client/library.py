@@ -259,6 +259,22 @@ class KvxferClient:
                              prompt_digest=prompt_digest)
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
+    def lease_and_pull(self, transfer_id: str, peer: str, pool: str, pages: int,
+                       timeout_s: float = 0.0, *, lease_s: float = 0.0, holder: str = "",
+                       peer_identity: str = "", arena_epoch: str = "", capability: str = "",
+                       prompt_digest: bytes = b"") -> tuple[LeaseInfo, TransferInfo]:
+        """Lease ``pages`` pages of ``pool`` and ``pull`` into them, in one round trip: the
+        new lease (release it once its pages are read) and the pull's status. A refused
+        pull raises as ``pull`` does, and leaves no lease."""
+        req = pb.LeasePullRequest(
+            lease=pb.AllocateRequest(pool=pool, pages=pages, lease_s=lease_s, holder=holder),
+            pull=pb.PullRequest(transfer_id=transfer_id, peer=peer, timeout_s=timeout_s,
+                                lease=self._lease(pool, "", False, arena_epoch),
+                                peer_identity=peer_identity, capability=capability,
+                                prompt_digest=prompt_digest))
+        reply = self._call(self._stub.LeasePull, req)
+        return lease_from_proto(reply.lease), info_from_proto(reply.transfer)
+
     def wait(self, transfer_id: str, timeout_s: float = 30.0) -> TransferInfo:
         """Block until ``transfer_id`` is final; its state says how it ended."""
         req = pb.WaitRequest(transfer_id=transfer_id, timeout_s=timeout_s)

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.errors import InvalidArgumentError
 from kvxfer.propagation import WORKER_NAME_KEY
 from kvxfer.server.audit import audited
 from kvxfer.server.leases import Lease, PageLeases
@@ -104,6 +105,22 @@ class WorkerService(pb_grpc.KvxferServicer):
                                  lease_use_from_proto(request.lease), request.peer_identity,
                                  request.capability, request.prompt_digest)
         return await self._answer(t, request.wait)
+
+    async def LeasePull(self, request: pb.LeasePullRequest,
+                        context: Context) -> pb.LeasePullResponse:
+        want, pull = request.lease, request.pull
+        if pull.pool not in ("", want.pool) or pull.dst_runs or pull.lease.lease_id:
+            raise InvalidArgumentError(
+                f"a LeasePull pulls into the pages it leases: pull.pool must be empty or the "
+                f"lease's ({want.pool!r}; it is {pull.pool!r}), pull.dst_runs and "
+                f"pull.lease.lease_id empty (they hold {len(pull.dst_runs)} runs and "
+                f"{pull.lease.lease_id!r})")
+        lease, t = self._transfers.lease_and_pull(
+            want.pool, want.pages, want.lease_s, want.holder, pull.transfer_id, pull.peer,
+            pull.timeout_s, pull.lease.arena_epoch, pull.peer_identity, pull.capability,
+            pull.prompt_digest)
+        return pb.LeasePullResponse(lease=self._lease_to_proto(lease, granted=True),
+                                    transfer=await self._answer(t, pull.wait))
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:
         t = await self._transfers.wait(request.transfer_id, request.timeout_s)

@@ -27,7 +27,7 @@ from kvxfer.errors import (
     TransferDeadlineError,
 )
 from kvxfer.pages import PageRuns
-from kvxfer.server.leases import CAPABILITY_BYTES, PageLeases
+from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
 from kvxfer.server.peer_client import PeerClients
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PullAsk
@@ -154,6 +154,22 @@ class TransferCoordinator:
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
+
+    def lease_and_pull(self, pool: str, pages: int, lease_s: float, holder: str,
+                       transfer_id: str, peer: str, timeout_s: float, arena_epoch: str = "",
+                       peer_identity: str = "", capability: str = "",
+                       prompt_digest: bytes = b"") -> tuple[Lease, Transfer]:
+        """Lease ``pages`` pages of ``pool`` (as ``allocate``) and ``pull`` into them; the
+        lease outlives the transfer. A refused pull releases the lease and raises."""
+        lease = self.leases.allocate(pool, pages, lease_s, holder)
+        try:
+            t = self.pull(transfer_id, peer, pool, lease.runs, timeout_s,
+                          LeaseUse(lease.id, False, arena_epoch), peer_identity, capability,
+                          prompt_digest)
+        except BaseException:
+            self.leases.release(lease.id)
+            raise
+        return lease, t
 
     async def wait(self, transfer_id: str, timeout_s: float) -> Transfer:
         """``transfer_id`` once final; TransferDeadlineError if ``timeout_s`` passes first

@@ -2,7 +2,7 @@
 
 A decode record carries its load's timeline, each step's seconds since the scheduler
 planned the load (its request's blocks allocated): the worker started it
-(``started_s``), leased its pages (``leased_s``), the daemon took the pull
+(``started_s``), the daemon leased its pages and took the pull, in one call
 (``pulled_s``), the worker took the daemon's ending (``ended_s``), the bytes were
 copied into the engine's blocks (``landed_s``); with ``planned_unix``, the wall clock
 of the plan, to line it up with the prefill engine's record and a client's clock.
@@ -20,7 +20,7 @@ from typing import Any
 log = logging.getLogger("kvxfer.integrations.vllm")
 
 #: The steps of a load's timeline, in order.
-LOAD_STEPS = ("started", "leased", "pulled", "ended", "landed")
+LOAD_STEPS = ("started", "pulled", "ended", "landed")
 
 
 @dataclass
@@ -29,7 +29,6 @@ class LoadTimeline:
 
     planned: float
     started: float = 0.0
-    leased: float = 0.0
     pulled: float = 0.0
     ended: float = 0.0
     landed: float = 0.0

@@ -269,31 +269,33 @@ class WorkerSide:
                 self._fail(load, f"{type(exc).__name__}: {exc}", _reason(exc))
 
     def _start(self, load: Load) -> None:
-        """Lease pages for ``load`` in the daemon's current memory and pull into them. A
-        transfer id this worker is still loading (params used twice) is refused here."""
+        """Lease pages for ``load`` and pull into them, in one call, through our mapping's
+        memory epoch (a daemon that restarted since refuses it: re-attach, then try once
+        more). A transfer id this worker is still loading (params used twice) is refused."""
         transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
         if transfer_id in self._pending or transfer_id in self._releasing:
             raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
         timeline = LoadTimeline(load.planned_unix)
         timeline.mark("started")
-        lease = self._client.allocate(self._settings.pool, load.num_pages,
-                                      self._settings.lease_s, holder=f"vllm {self._engine_id}")
-        timeline.mark("leased")
         try:
-            self._current(lease.arena_epoch)
-            pulled = self._client.pull(
-                transfer_id, load.peer, self._settings.pool, lease.runs,
-                timeout_s=self._settings.timeout_s, lease_id=lease.lease_id,
-                arena_epoch=self._epoch, capability=load.capabilities[self._rank],
-                prompt_digest=load.prompt_digest)
-        except BaseException:
-            self._release(lease.lease_id)
-            raise
+            lease, pulled = self._lease_and_pull(load, transfer_id)
+        except StaleArenaError:
+            log.warning("kvxfer: daemon %s restarted since we mapped pool %r: re-attaching",
+                        self._settings.daemon, self._settings.pool)
+            self._attach()
+            lease, pulled = self._lease_and_pull(load, transfer_id)
         timeline.mark("pulled")
         self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch,
                                                  pulled.created_unix, timeline)
         if self._feed is None:
             self._feed = CompletionFeed(self._client, self._cursor)
+
+    def _lease_and_pull(self, load: Load, transfer_id: str) -> tuple[LeaseInfo, TransferInfo]:
+        return self._client.lease_and_pull(
+            transfer_id, load.peer, self._settings.pool, load.num_pages,
+            timeout_s=self._settings.timeout_s, lease_s=self._settings.lease_s,
+            holder=f"vllm {self._engine_id}", arena_epoch=self._epoch,
+            capability=load.capabilities[self._rank], prompt_digest=load.prompt_digest)
 
     def _release_after(self, transfer_id: str, pending: PendingLoad) -> None:
         """Release ``pending``'s lease once the daemon reports its transfer ended: until then
