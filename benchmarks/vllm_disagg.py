@@ -100,7 +100,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         if "-bench-d-" not in s["transfer_id"] or not s.get("ok"):
             continue
         out = copy_out.get(s["transfer_id"], {})
-        request_id = next((r for r in sent if r in s["req_id"]), None)
+        request_id = next((r for r in sent if f"-{r}-" in s["req_id"]), None)
         if request_id is not None and out:
             n, start_unix, first_unix = sent[request_id]
             planned = s["planned_unix"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -67,15 +68,29 @@ def nixl_engine(name: str, model: str, workdir: Path, prog_thread: bool) -> Vllm
     env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
     if not prog_thread:
-        env["PYTHONPATH"] = str(HERE / "nixl_without_progress_thread")
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(HERE / "nixl_without_progress_thread"), os.environ.get("PYTHONPATH")]))
     return VllmServer(name, model, workdir, port=free_port(), max_model_len=MAX_MODEL_LEN, env=env,
                       kv_transfer={"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                   "kv_buffer_device": "cpu"})
+                                   "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"})
+
+
+def external_tokens(engine: VllmServer | None) -> float:
+    """Prompt tokens ``engine`` took from KV transfers so far (vLLM's own counter)."""
+    if engine is None:
+        return 0.0
+    with engine.client(timeout_s=10) as http:
+        text = http.get("/metrics").text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total{")
+               and 'source="external_kv_transfer"' in line)
 
 
 @contextmanager
-def deployment(kind: str, model: str, workdir: Path) -> Iterator[VllmRouter]:
-    """Start deployment ``kind`` in ``workdir / kind``; its router, until the block ends."""
+def deployment(kind: str, model: str,
+               workdir: Path) -> Iterator[tuple[VllmRouter, VllmServer | None]]:
+    """Start deployment ``kind`` in ``workdir / kind``; its router and its decode engine
+    (None for the plain one), until the block ends."""
     where = workdir / kind
     where.mkdir(parents=True)
     with ExitStack() as stack:
@@ -83,11 +98,11 @@ def deployment(kind: str, model: str, workdir: Path) -> Iterator[VllmRouter]:
             engine = stack.enter_context(VllmServer(kind, model, where, port=free_port(),
                                                     max_model_len=MAX_MODEL_LEN))
             engine.wait_ready()
-            yield stack.enter_context(VllmRouter.single(engine.address, where / "router.log"))
+            yield stack.enter_context(VllmRouter.single(engine.address, where / "router.log")), None
             return
         if kind == "kvxfer":
             d = stack.enter_context(Disaggregation(model, where, num_pages=2048,
-                                                   max_model_len=MAX_MODEL_LEN,
+                                                   max_model_len=MAX_MODEL_LEN, failure_policy="fail",
                                                    ports=(free_port(), free_port(), free_port())))
             assert d.prefill is not None and d.decode is not None
             prefill, decode = d.prefill, d.decode
@@ -101,12 +116,15 @@ def deployment(kind: str, model: str, workdir: Path) -> Iterator[VllmRouter]:
             for engine in (prefill, decode):
                 engine.wait_ready()
         yield stack.enter_context(VllmRouter.pd(prefill.address, decode.address,
-                                                where / "router.log"))
+                                                where / "router.log")), decode
 
 
-def bench_serve(router: VllmRouter, model: str, length: int, prompts: int, new_tokens: int,
-                seed: int, out: Path) -> list[float]:
-    """One ``vllm bench serve`` run against ``router``: each request's TTFT in ms."""
+def bench_serve(router: VllmRouter, decode: VllmServer | None, model: str, length: int,
+                prompts: int, new_tokens: int, seed: int, out: Path) -> list[float]:
+    """One ``vllm bench serve`` run against ``router``: each request's TTFT in ms. With a
+    ``decode`` engine, its prompts must have come from KV transfers (at least 90 % of
+    their tokens: the engine recomputes the last one)."""
+    before = external_tokens(decode)
     args = ["--backend", "vllm", "--base-url", router.address, "--endpoint", "/v1/completions",
             "--model", model, "--tokenizer", model, "--dataset-name", "random",
             "--random-input-len", str(length), "--random-output-len", str(new_tokens),
@@ -124,6 +142,10 @@ def bench_serve(router: VllmRouter, model: str, length: int, prompts: int, new_t
     if result["completed"] != prompts or any(n != new_tokens for n in result["output_lens"]):
         raise RuntimeError(f"{out.name}: {result['completed']} of {prompts} completed, output "
                            f"lengths {result['output_lens']} (expected {new_tokens} each)")
+    loaded = external_tokens(decode) - before
+    if decode is not None and loaded < 0.9 * result["total_input_tokens"]:
+        raise RuntimeError(f"{out}: the decode engine took {loaded:g} prompt tokens from KV "
+                           f"transfers, of {result['total_input_tokens']} sent")
     return [t * 1e3 for t in result["ttfts"]]
 
 
@@ -132,13 +154,13 @@ def phase(kinds: list[str], args: argparse.Namespace, model: str, workdir: Path,
     """Start ``kinds`` side by side and run the rounds; TTFTs in ms by kind, length, round."""
     ttfts: dict[str, dict[int, list[list[float]]]] = {k: {n: [] for n in lengths} for k in kinds}
     with ExitStack() as stack:
-        routers = {kind: stack.enter_context(deployment(kind, model, workdir)) for kind in kinds}
+        started = {kind: stack.enter_context(deployment(kind, model, workdir)) for kind in kinds}
         for r in range(args.rounds):
-            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
             for n in lengths:
-                for kind in order:
+                for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                    router, decode = started[kind]
                     out = workdir / kind / f"bench-{r}-{n}.json"
-                    ttfts[kind][n].append(bench_serve(routers[kind], model, n, args.prompts,
+                    ttfts[kind][n].append(bench_serve(router, decode, model, n, args.prompts,
                                                       args.new_tokens, 1000 * r + n, out))
     return ttfts
 

@@ -144,7 +144,8 @@ def test_lease_and_pull_fills_a_new_lease_in_one_call_and_a_refused_one_leaves_n
         spawn) -> None:
     """The decode worker's Allocate and Pull in one round trip: the bytes land in the new
     lease's pages, which stay leased after the transfer until released. A pull refused at
-    once (a stale memory epoch, no capability, a destination named twice) leaves no lease."""
+    once (a stale memory epoch, no capability, a destination named twice, a wait that
+    would hold a lease nobody learns of if the call ended first) leaves no lease."""
     pre, dec = spawn("prefill", [TINY]), spawn("decode", [TINY])
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
             p.attach("kv") as src, d.attach("kv") as dst:
@@ -171,6 +172,12 @@ def test_lease_and_pull_fills_a_new_lease_in_one_call_and_a_refused_one_leaves_n
                                                         dst_runs=[pb.PageRun(start=0, count=2)]))
         with pytest.raises(InvalidArgumentError, match="pull.dst_runs"):
             d._call(d._stub.LeasePull, twice)
+        waiting = pb.LeasePullRequest(lease=pb.AllocateRequest(pool="kv", pages=2),
+                                      pull=pb.PullRequest(transfer_id="waits", wait=True,
+                                                          peer=pre.peer_address,
+                                                          capability=out.capability))
+        with pytest.raises(InvalidArgumentError, match="call Wait for the end"):
+            d._call(d._stub.LeasePull, waiting)
         assert d.leases() == [] and d.leased_pages() == {"kv": 0}
 
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -100,6 +101,19 @@ def engines(spawn):
     parts.work_p.shutdown()
     parts.work_d.shutdown()
     client.close()
+    assert workers_threads_end(), "a worker's completions or release thread outlived it"
+
+
+def workers_threads_end(within_s: float = 3.0) -> bool:
+    """Whether every thread a worker half starts (its completions feed, its releases) ends
+    within ``within_s`` (a feed dropped at a re-attach ends with its call in flight)."""
+    def left() -> list[str]:
+        return [t.name for t in threading.enumerate()
+                if t.name.startswith(("kvxfer-completions", "kvxfer-release"))]
+    deadline = time.monotonic() + within_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not left()
 
 
 def mapped(path: str) -> bool:
@@ -148,7 +162,7 @@ def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, 
 def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkeypatch,
                                                                   lost: bool) -> None:
     """Its transfer died with the daemon: the load fails as soon as the worker hears of the
-    new daemon (within a second), not at its deadline (30 s). The prefill daemon is stopped
+    new daemon (within about two seconds), not at its deadline (30 s). The prefill daemon is stopped
     (SIGSTOP) so that the pull stays in flight. Negative control: without ``_lost`` the
     load would wait for its deadline."""
     if not lost:
@@ -167,7 +181,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
         assert engines.work_d.get_finished() == set()  # the pull waits on the frozen daemon
         engines.dec.restart()
         finished = set()
-        until = time.monotonic() + 1.0
+        until = time.monotonic() + 3.0
         while not finished and time.monotonic() < until:
             finished = engines.work_d.get_finished()
     finally:

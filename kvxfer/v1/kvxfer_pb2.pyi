@@ -953,10 +953,11 @@ Global___PullRequest: _TypeAlias = PullRequest  # noqa: Y015
 @_typing.final
 class LeasePullRequest(_message.Message):
     """Allocate ``lease`` as Allocate does, then pull into its pages as Pull does (pull.pool
-    empty or the lease's; pull.dst_runs and pull.lease.lease_id empty: the new lease's pages
-    are the destination; pull.lease.arena_epoch names the caller's mapping, as in Pull). The
-    lease outlives the transfer: read its pages, then Release it. If the pull is refused,
-    the lease is released and the call fails as Pull would.
+    empty or the lease's; pull.dst_runs, pull.lease.lease_id, pull.lease.release_lease and
+    pull.wait unset: the new lease's pages are the destination, and the call answers at
+    once; pull.lease.arena_epoch names the caller's mapping, as in Pull). The lease outlives
+    the transfer: Wait for it (or follow Completions), read its pages, then Release it. If
+    the pull is refused, the lease is released and the call fails as Pull would.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -989,7 +990,7 @@ class LeasePullResponse(_message.Message):
     TRANSFER_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def lease(self) -> Global___Lease:
-        """as Allocate answers it"""
+        """as ListLeases shows it (no capability: nothing offers it)"""
 
     @_builtins.property
     def transfer(self) -> Global___TransferStatus:

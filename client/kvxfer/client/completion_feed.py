@@ -57,10 +57,17 @@ class CompletionFeed:
         """Wait until a batch not taken yet is here, at most ``timeout_s``."""
         self._arrived.wait(timeout_s)
 
-    def close(self) -> None:
-        """Stop following; returns once the thread stopped (within ``POLL_S`` and a call)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop following. With ``wait``, return once the thread stopped (within ``POLL_S``
+        and a call's timeout); without, at once (the thread ends with its call in flight)."""
         self._stop.set()
-        self._thread.join(POLL_S + self._client.timeout_s)
+        if wait:
+            self._thread.join(POLL_S + self._client.timeout_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
 
     def _follow(self) -> None:
         while not self._stop.is_set():

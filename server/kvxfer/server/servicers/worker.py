@@ -109,18 +109,21 @@ class WorkerService(pb_grpc.KvxferServicer):
     async def LeasePull(self, request: pb.LeasePullRequest,
                         context: Context) -> pb.LeasePullResponse:
         want, pull = request.lease, request.pull
-        if pull.pool not in ("", want.pool) or pull.dst_runs or pull.lease.lease_id:
+        if (pull.pool not in ("", want.pool) or pull.dst_runs or pull.lease.lease_id
+                or pull.lease.release_lease or pull.wait):
             raise InvalidArgumentError(
-                f"a LeasePull pulls into the pages it leases: pull.pool must be empty or the "
-                f"lease's ({want.pool!r}; it is {pull.pool!r}), pull.dst_runs and "
-                f"pull.lease.lease_id empty (they hold {len(pull.dst_runs)} runs and "
-                f"{pull.lease.lease_id!r})")
+                "a LeasePull pulls into the pages it leases and answers at once: pull.pool "
+                f"must be empty or the lease's ({want.pool!r}; it is {pull.pool!r}), "
+                "pull.dst_runs, pull.lease.lease_id, pull.lease.release_lease and pull.wait "
+                f"unset (they are {len(pull.dst_runs)} runs, {pull.lease.lease_id!r}, "
+                f"{pull.lease.release_lease}, {pull.wait}); call Wait for the end, Release "
+                "after reading the pages")
         lease, t = self._transfers.lease_and_pull(
             want.pool, want.pages, want.lease_s, want.holder, pull.transfer_id, pull.peer,
             pull.timeout_s, pull.lease.arena_epoch, pull.peer_identity, pull.capability,
             pull.prompt_digest)
-        return pb.LeasePullResponse(lease=self._lease_to_proto(lease, granted=True),
-                                    transfer=await self._answer(t, pull.wait))
+        return pb.LeasePullResponse(lease=self._lease_to_proto(lease),
+                                    transfer=info_to_proto(t.info()))
 
     async def Wait(self, request: pb.WaitRequest, context: Context) -> pb.TransferStatus:
         t = await self._transfers.wait(request.transfer_id, request.timeout_s)

@@ -32,8 +32,10 @@ class CompletionLog:
 
     async def since(self, after: int, timeout_s: float) -> tuple[list[Transfer], int, bool]:
         """The transfers that ended after cursor ``after``, in order; the new cursor; and
-        whether some that did are no longer kept. Waits up to ``timeout_s`` for one."""
-        if self._last <= after and timeout_s > 0:
+        whether some that did are no longer kept. Waits up to ``timeout_s`` for one, unless
+        ``after`` is from another lifetime of the daemon (ahead of its own cursor): that
+        caller must hear at once that the daemon restarted."""
+        if self._last == after and timeout_s > 0:
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:

@@ -6,6 +6,7 @@
 - ``protocol``: ``kv_transfer_params`` between engines, and the plan from scheduler to worker;
 - ``layout``: the block layout both engines must share, and the daemon pool that holds it;
 - ``settings``: the connector's ``kv_connector_extra_config``;
+- ``endings``: lease releases and transfer aborts that never raise into vLLM;
 - ``stats``: the per-transfer records of ``stats_file`` (a load's timeline);
 - ``proxy``: an OpenAI-compatible proxy that sends prefill, then decode;
 - ``deploy``: ``kvxfer vllm``, daemons, engines and the proxy on one machine;

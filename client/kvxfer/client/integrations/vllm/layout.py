@@ -8,16 +8,20 @@ size, tensor-parallel size, vLLM version and attention code path (on CPU the
 kernel's instruction set decides how K sits inside a block). ``BlockLayout``
 is that fingerprint; it travels in ``kv_transfer_params`` and the decode side
 refuses a mismatch, naming every difference. The daemon's pool must hold
-exactly such pages (``check_pool``); ``pool_flag`` writes the ``--pool`` flag
-of a daemon that does.
+exactly such pages (``check_pool``), and the engine's KV caches exactly such
+blocks (``engine_blocks``); ``pool_flag`` writes the ``--pool`` flag of a daemon
+that does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.dtypes import itemsize
@@ -103,3 +107,35 @@ def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
     MhaSpec(layout.num_layers, layout.num_kv_heads, head_dim, head_dim, dtype, block_size,
             num_pages)  # validates
     return pool_flag(layout, name, num_pages)
+
+
+def _layer_index(name: str) -> int:
+    found = re.search(r"layers\.(\d+)\.", name)
+    if found is None:
+        raise IncompatibleLayoutError(f"cannot tell which layer {name!r} is (no 'layers.N.')")
+    return int(found.group(1))
+
+
+def as_blocks(kv_layer: torch.Tensor) -> torch.Tensor:
+    """A layer's KV tensor as ``[num_blocks, block_bytes]`` bytes, sharing its memory."""
+    return kv_layer.view(torch.uint8).reshape(kv_layer.shape[0], -1)
+
+
+def engine_blocks(kv_caches: dict[str, torch.Tensor],
+                  layout: BlockLayout) -> dict[str, torch.Tensor]:
+    """vLLM's per-layer KV caches as blocks of bytes (``as_blocks``), by layer name in
+    layer order; IncompatibleLayoutError unless they are ``layout``'s layers of contiguous
+    blocks of its ``block_bytes``."""
+    names = sorted(kv_caches, key=_layer_index)
+    if len(names) != layout.num_layers:
+        raise IncompatibleLayoutError(f"vLLM registered {len(names)} KV layers; the model has "
+                                      f"{layout.num_layers}")
+    for name in names:
+        kv = kv_caches[name]
+        block_bytes = kv[0].numel() * kv.element_size()
+        if not kv.is_contiguous() or block_bytes != layout.block_bytes:
+            raise IncompatibleLayoutError(
+                f"layer {name}'s KV cache {tuple(kv.shape)} is not blocks of "
+                f"{layout.block_bytes} contiguous bytes (it has {block_bytes}); kvxfer needs "
+                "each block's bytes together")
+    return {name: as_blocks(kv_caches[name]) for name in names}

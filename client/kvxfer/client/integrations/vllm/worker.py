@@ -28,16 +28,20 @@ reads or writes a stale mapping, and dropping it frees the old arena's memory.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from kvxfer.client.completion_feed import CompletionFeed
-from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool
+from kvxfer.client.integrations.vllm.endings import Endings
+from kvxfer.client.integrations.vllm.layout import (
+    BlockLayout,
+    as_blocks,
+    check_pool,
+    engine_blocks,
+)
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.integrations.vllm.stats import LoadTimeline, TransferStats
@@ -45,7 +49,6 @@ from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.errors import (
     IncompatibleLayoutError,
     KvxferError,
-    LeaseNotFoundError,
     StaleArenaError,
     TransferExistsError,
 )
@@ -59,7 +62,7 @@ EXPIRY_GRACE_S = 10.0
 #: How long a step that computes nothing waits for its loads' endings. Such a step would
 #: otherwise return at once and vLLM would step again, spinning a core that the daemons,
 #: moving those very loads, need; a request arriving meanwhile waits at most this long.
-IDLE_WAIT_S = 0.01
+IDLE_WAIT_S = 0.002
 
 
 @dataclass
@@ -74,18 +77,6 @@ class PendingLoad:
     epoch: str
     registered_unix: float
     timeline: LoadTimeline
-
-
-def _layer_index(name: str) -> int:
-    found = re.search(r"layers\.(\d+)\.", name)
-    if found is None:
-        raise IncompatibleLayoutError(f"cannot tell which layer {name!r} is (no 'layers.N.')")
-    return int(found.group(1))
-
-
-def _blocks(kv_layer: torch.Tensor) -> torch.Tensor:
-    """A layer's KV tensor as ``[num_blocks, block_bytes]`` bytes, sharing its memory."""
-    return kv_layer.view(torch.uint8).reshape(kv_layer.shape[0], -1)
 
 
 class WorkerSide:
@@ -118,27 +109,16 @@ class WorkerSide:
         self.load_failures: Counter[str] = Counter()
         self._cursor = 0
         self._feed: CompletionFeed | None = None  # from the first load on
-        #: Releases leases off the step: a release's round trip would hold up the landing step.
-        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-release")
+        self._resync = False  # some endings were missed: ask for every ended transfer
+        self._endings = Endings(self._client)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
-        names = sorted(kv_caches, key=_layer_index)
-        if len(names) != self._layout.num_layers:
-            raise IncompatibleLayoutError(f"vLLM registered {len(names)} KV layers; the model has "
-                                          f"{self._layout.num_layers}")
-        for name in names:
-            kv = kv_caches[name]
-            block_bytes = kv[0].numel() * kv.element_size()
-            if not kv.is_contiguous() or block_bytes != self._layout.block_bytes:
-                raise IncompatibleLayoutError(
-                    f"layer {name}'s KV cache {tuple(kv.shape)} is not blocks of "
-                    f"{self._layout.block_bytes} contiguous bytes (it has {block_bytes}); kvxfer "
-                    "needs each block's bytes together")
-        self._layers = {name: i for i, name in enumerate(names)}
-        self._kv = [_blocks(kv_caches[name]) for name in names]
+        layers = engine_blocks(kv_caches, self._layout)
+        self._layers = {name: i for i, name in enumerate(layers)}
+        self._kv = list(layers.values())
         self._attach()
-        log.info("kvxfer: %d layers of %d-byte blocks through pool %r of %s", len(names),
+        log.info("kvxfer: %d layers of %d-byte blocks through pool %r of %s", len(layers),
                  self._layout.block_bytes, self._settings.pool, self._settings.daemon)
 
     def _attach(self) -> None:
@@ -161,7 +141,7 @@ class WorkerSide:
     def _detach(self) -> None:
         self._epoch = ""
         if self._feed is not None:  # it followed the daemon we mapped: start anew from now
-            self._feed.close()
+            self._feed.close(wait=False)  # not on the step: its call in flight ends it
             self._feed = None
         if self._pool is not None:
             self._pages = torch.empty(0, dtype=torch.uint8)
@@ -204,7 +184,7 @@ class WorkerSide:
             start = time.perf_counter()
             try:
                 layer = self._layers[layer_name]
-                blocks = _blocks(kv_layer)
+                blocks = as_blocks(kv_layer)
                 self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
                 self._layers_saved[save.transfer_id] += 1
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
@@ -225,7 +205,7 @@ class WorkerSide:
                 continue
             log.error("request %s: its KV was not saved (%s); not offered, so its decode engine "
                       "computes the prompt itself", save.req_id, failed)
-            self._release(save.lease_ids[self._rank])
+            self._endings.release(save.lease_ids[self._rank])
             self._copy_out.pop(save.transfer_id, None)
 
     def _offer(self, save: Save) -> None:
@@ -241,7 +221,7 @@ class WorkerSide:
         except KvxferError as exc:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
                       "recompute", save.req_id, type(exc).__name__, exc)
-            self._release(lease_id)
+            self._endings.release(lease_id)
         self._stats.record(role="prefill", transfer_id=transfer_id, req_id=save.req_id,
                            rank=self._rank, pages=len(pages), bytes=nbytes,
                            copy_s=self._copy_out.pop(save.transfer_id, 0.0),
@@ -257,7 +237,7 @@ class WorkerSide:
                 if pending.load.req_id == req_id:
                     del self._pending[tid]
                     self._finished.add(req_id)
-                    self._abort(tid, "its request ended")
+                    self._endings.abort(tid, "its request ended")
                     self._release_after(tid, pending)
         for load in self._plan.loads:
             if load.refused:
@@ -277,6 +257,8 @@ class WorkerSide:
             raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
         timeline = LoadTimeline(load.planned_unix)
         timeline.mark("started")
+        if self._pool is None:  # an earlier re-attach failed: try again before pulling
+            self._attach()
         try:
             lease, pulled = self._lease_and_pull(load, transfer_id)
         except StaleArenaError:
@@ -304,17 +286,19 @@ class WorkerSide:
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see take_failed)."""
-        if self._pending or self._releasing:
-            try:
-                self._poll()
-            except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
-                log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
-                            type(exc).__name__, exc)
-            self._expire()
+        try:
+            self._poll()
+        except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
+            log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
+                        type(exc).__name__, exc)
+        self._expire()
         finished, self._finished = self._finished, set()
         return finished
 
     def _poll(self) -> None:
+        """Settle what the feed gathered (taken every step, so it never piles up). When the
+        daemon no longer kept some endings, ask it for every ended transfer, until that call
+        succeeds."""
         if self._feed is None:
             return
         if self._plan.idle and self._pending:
@@ -327,10 +311,11 @@ class WorkerSide:
             if ended.epoch != self._epoch:
                 self._lost(ended.epoch)
                 continue
-            infos = ended.transfers
-            if ended.missed:  # the daemon no longer keeps some endings: ask for ours
-                infos = [i for i in self._client.transfers() if i.state.final]
-            self._settle(infos)
+            self._resync = self._resync or ended.missed
+            self._settle(ended.transfers)
+        if self._resync and (self._pending or self._releasing):
+            self._settle([i for i in self._client.transfers() if i.state.final])
+        self._resync = False
 
     def _settle(self, infos: list[TransferInfo]) -> None:
         """Settle the loads and dropped loads whose transfers ``infos`` say ended."""
@@ -338,7 +323,7 @@ class WorkerSide:
             dropped = self._releasing.get(info.transfer_id)
             if dropped is not None and info.created_unix == dropped.registered_unix:
                 del self._releasing[info.transfer_id]
-                self._release(dropped.lease.lease_id)
+                self._endings.release(dropped.lease.lease_id)
             pending = self._pending.get(info.transfer_id)
             if pending is None or info.created_unix != pending.registered_unix:
                 continue  # not ours, or an earlier registration of the same id
@@ -346,7 +331,7 @@ class WorkerSide:
             try:
                 self._land(pending, info)
             except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
-                self._release(pending.lease.lease_id)
+                self._endings.release(pending.lease.lease_id)
                 self._fail(pending.load, f"copying it in failed: {type(exc).__name__}: {exc}",
                            "COPY_FAILED")
 
@@ -371,21 +356,21 @@ class WorkerSide:
         for tid, pending in list(self._pending.items()):
             if now - pending.started > limit:
                 del self._pending[tid]
-                self._abort(tid, "no ending reported by its deadline")
+                self._endings.abort(tid, "no ending reported by its deadline")
                 self._release_after(tid, pending)
                 self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s",
                            "NO_ENDING")
         for tid, dropped in list(self._releasing.items()):
             if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
                 del self._releasing[tid]
-                self._release(dropped.lease.lease_id)
+                self._endings.release(dropped.lease.lease_id)
 
     def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
         load = pending.load
         transfer_s = time.perf_counter() - pending.started
         pending.timeline.mark("ended")
         if not info.ok:
-            self._release(pending.lease.lease_id)
+            self._endings.release(pending.lease.lease_id)
             self._fail(load, f"transfer {info.state.name}: {info.error}",
                        _reason(info.failure) if info.failure is not None else info.state.name)
             return
@@ -396,7 +381,7 @@ class WorkerSide:
             kv[blocks] = self._pages[pages, layer]
         copy_s = time.perf_counter() - start
         pending.timeline.mark("landed")
-        self._release(pending.lease.lease_id)
+        self._endings.release(pending.lease.lease_id)
         self._finished.add(load.req_id)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=True, pages=load.num_pages, bytes=info.bytes,
@@ -421,35 +406,16 @@ class WorkerSide:
 
     # -- both ------------------------------------------------------------------------------------
 
-    def _release(self, lease_id: str) -> None:
-        """Release a lease, off the step; never raises (the daemon frees it when it expires)."""
-        try:
-            self._releaser.submit(self._release_now, lease_id)
-        except RuntimeError:  # shut down already: release here
-            self._release_now(lease_id)
-
-    def _release_now(self, lease_id: str) -> None:
-        try:
-            self._client.release(lease_id)
-        except LeaseNotFoundError:
-            pass  # it ended with its transfer, or expired
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
-            log.warning("could not release lease %s: %s", lease_id, exc)
-
-    def _abort(self, transfer_id: str, why: str) -> None:
-        """Abort a transfer; never raises (it ends at its deadline otherwise)."""
-        try:
-            self._client.abort(transfer_id, why)
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
-            log.info("could not abort %s: %s", transfer_id, exc)
-
     def shutdown(self) -> None:
         """Abort pending loads, unmap the pool, close the channel."""
         for tid, pending in list(self._pending.items()):
-            self._abort(tid, "the engine shut down")
-            self._release(pending.lease.lease_id)
+            self._endings.abort(tid, "the engine shut down")
+            self._endings.release(pending.lease.lease_id)
         self._pending.clear()
-        self._releaser.shutdown(wait=True)
+        self._endings.close()
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None
         self._detach()
         self._client.close()
 
