@@ -186,8 +186,15 @@ def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_un
         load.worker.start_load_kv()
         [info] = d.transfers()
         assert info.state.name == "ABORTED" and "its request ended" in info.error
-        assert load.worker.get_finished() == {"gone"} and load.worker.take_failed() == set()
-        assert d.leased_pages() == {"kv": 0}  # released once the daemon told the end
+        finished = set()
+        deadline = time.monotonic() + 5.0  # the end reaches the worker through its feed
+        while not finished and time.monotonic() < deadline:
+            finished = load.worker.get_finished()
+        assert finished == {"gone"} and load.worker.take_failed() == set()
+        while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:
+            assert load.worker.get_finished() == set()  # reported once
+            time.sleep(0.02)  # released, off the step, once the daemon told the end
+        assert d.leased_pages() == {"kv": 0}
         assert load.worker.get_finished() == set()
         assert load.untouched()
 
