@@ -112,12 +112,9 @@ def main() -> None:
                 out["corrupted_verified"] = ask_all(d.client, model, sets["C"], "corrupt-checked",
                                                     {"verify": True})
                 out["after_corrupted_verified"] = counters(d, model)
-            assert d.prefill_daemon is not None and d.decode_daemon is not None
-            from kvxfer.client import KvxferClient
-
-            with KvxferClient(d.prefill_daemon.worker_address) as p, \
-                    KvxferClient(d.decode_daemon.worker_address) as q:
-                out["leased_pages_at_end"] = {"prefill": p.leased_pages(), "decode": q.leased_pages()}
+            settling = time.monotonic()  # workers release leases off their step, soon after
+            out["leased_pages_at_end"] = leased_pages_settled(d, timeout_s=15.0)
+            out["leased_settled_s"] = time.monotonic() - settling
             for side in ("prefill", "decode"):
                 path = workdir / f"{side}-stats.jsonl"
                 records = path.read_text().splitlines() if path.exists() else []
