@@ -4,8 +4,9 @@ A short prompt moves few pages, and then a transfer's time is mostly control
 plane: the expect and push calls, the daemons' Claim (and Commit, with verify)
 between each other, and both waits. This starts two daemons on loopback and
 times transfers of 1 and 16 pages of the standard llama-8B-like pool (2 MiB
-pages), from the expect call to both waits returning, with verification off
-(the library's default) and on.
+pages), pushed (from the expect call to both waits returning) and pulled (from
+the offer call to both waits returning), with verification off (the library's
+default) and on.
 
 The reference is a trivial gRPC call to the same daemon (``Health.Check``),
 timed in the same rounds, so the figure printed per case is how many such round
@@ -51,7 +52,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
 
-    cases = [(pages, verify) for pages in (1, 16) for verify in (False, True)]
+    cases = [(verb, pages, verify) for verb in ("push", "pull") for pages in (1, 16)
+             for verify in (False, True)]
     seconds: dict[str, list[float]] = {"grpc_health": []}
     per_round: dict[str, list[float]] = {}
     cpu: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -69,8 +71,8 @@ def main() -> int:
                 cpu[name][side] += cpu_seconds(pid) - before[side]
             return samples
 
-        def one_transfer(pages: int, verify: bool) -> float:
-            return pair.move(pages, verify)[1]
+        def one_transfer(verb: str, pages: int, verify: bool) -> float:
+            return (pair.move if verb == "push" else pair.pull)(pages, verify)[1]
 
         def one_health() -> float:
             start = time.perf_counter()
@@ -80,9 +82,9 @@ def main() -> int:
         for _ in range(args.rounds):
             health = timed("grpc_health", one_health)
             seconds["grpc_health"] += health
-            for pages, verify in cases:
-                name = f"pages{pages}_verify_{'on' if verify else 'off'}"
-                samples = timed(name, partial(one_transfer, pages, verify))
+            for verb, pages, verify in cases:
+                name = f"{verb}_pages{pages}_verify_{'on' if verify else 'off'}"
+                samples = timed(name, partial(one_transfer, verb, pages, verify))
                 seconds.setdefault(name, []).extend(samples)
                 per_round.setdefault(name, []).append(
                     statistics.median(samples) / statistics.median(health))

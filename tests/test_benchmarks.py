@@ -68,7 +68,9 @@ def test_rma_against_tag_moves_checked_pages_both_ways() -> None:
 
 def test_transfer_latency_reports_every_case() -> None:
     got = run_benchmark("transfer_latency.py", "--rounds", "1", "--per-round", "1", "--json")
-    for case in ("pages1_verify_off", "pages1_verify_on", "pages16_verify_off", "pages16_verify_on"):
+    cases = [f"{verb}_pages{pages}_verify_{verify}" for verb in ("push", "pull")
+             for pages in (1, 16) for verify in ("off", "on")]
+    for case in cases:
         assert got[f"{case}_ms_median"] > got["grpc_health_ms_median"] > 0
         parts = [got[f"{case}_cpu_ms_{side}"] for side in ("prefill", "decode", "client")]
         assert got[f"{case}_cpu_ms_client"] > 0  # the daemons' may round to 0 (10 ms ticks)
