@@ -3,8 +3,9 @@
 Transports on one ``FakeNetwork`` reach each other by port. A receive posts
 its buffers under their tags; a send copies each message into the buffer
 posted under its tag on the peer, at once or, while the network ``holds``,
-when the test calls ``release``. A message whose tag is not posted (its receive
-was cancelled) is dropped, as a late message must be, and counted. The test can
+when the test calls ``release``. A message whose receive is not posted yet waits
+for it (as UCX keeps unexpected messages); one whose receive was cancelled, or
+whose tag was discarded, is dropped, as a late message must be, and counted. The test can
 make the network corrupt the next message it delivers, or fail every send.
 """
 
@@ -87,6 +88,9 @@ class FakeNetwork:
         data = np.asarray(buffer).view(np.uint8).reshape(-1)
         with self.lock:
             posted = peer.posted.pop(tag, None)
+            if posted is None and tag not in peer.cancelled and tag not in peer.discarded:
+                peer.unexpected[tag] = (data.copy(), sent)  # UCX keeps it until a receive matches
+                return
             corrupt, self.corrupt_next = self.corrupt_next and posted is not None, False
         nbytes = data.size
         if posted is None:
@@ -111,6 +115,10 @@ class FakeTransport:
         self._port = port
         self._lanes = lanes
         self.posted: dict[int, tuple[Any, FakeBatch]] = {}
+        # Messages that came before their receive was posted (never for a cancelled one).
+        self.unexpected: dict[int, tuple[Any, FakeBatch]] = {}
+        self.discarded: set[int] = set()
+        self.cancelled: set[int] = set()
 
     @property
     def ports(self) -> list[int]:
@@ -149,6 +157,9 @@ class FakeTransport:
             for buffer, tag in messages:
                 self.posted[tag] = (buffer, batch)
                 batch.tags.append(tag)
+            early = [(t, self.unexpected.pop(t)) for t in batch.tags if t in self.unexpected]
+        for tag, (data, sent) in early:
+            self._network.deliver(self, data, tag, sent)
         return batch
 
     def abandon(self, batch: Batch, reason: str) -> Future[None]:
@@ -156,10 +167,19 @@ class FakeTransport:
         with self._network.lock:
             for tag in batch.tags:
                 self.posted.pop(tag, None)
+            self.cancelled.update(batch.tags)
         batch.fail(PeerUnavailableError(reason))
         quiet: Future[None] = Future()
         quiet.set_result(None)  # nothing is ever half-delivered here
         return quiet
+
+    def discard(self, tag_base: int, count: int, lanes: int) -> None:
+        with self._network.lock:
+            self.discarded.update(range(tag_base, tag_base + count))
+            waiting = [self.unexpected.pop(t) for t in list(self.unexpected) if t in self.discarded]
+        for _, sent in waiting:
+            self._network.dropped += 1
+            sent.add(sent.total)
 
     def close_connection(self, connection: Connection) -> None:
         pass

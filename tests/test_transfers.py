@@ -464,6 +464,29 @@ def test_only_a_verified_push_costs_a_commit_round_trip(spawn) -> None:
         assert metric(port, rpcs_ok("Commit")) == 1
 
 
+def test_a_pull_over_a_session_the_sender_holds_costs_one_round_trip(spawn) -> None:
+    dec, port = spawn_with_metrics(spawn, "decode-placed", SMALL)
+    pre = spawn("prefill-placed", [SMALL])
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d, \
+            p.attach("kv") as src, d.attach("kv") as dst:
+        fill_random(src, 5)
+        cases = [("first", False, [(1, 3)], [(60, 2), (9, 1)]),  # opens the session: claims
+                 ("placed", False, [(4, 2), (20, 1)], [(30, 3)]),
+                 ("placed-verified", True, [(7, 1), (2, 2)], [(40, 1), (50, 2)])]
+        for tid, verify, src_pages, dst_pages in cases:
+            src_runs, dst_runs = PageRuns.of(src_pages), PageRuns.of(dst_pages)
+            before = dst.raw.clone()
+            offered = p.offer(tid, "kv", src_runs, timeout_s=30, verify=verify)
+            d.pull(tid, pre.peer_address, "kv", dst_runs, timeout_s=30,
+                   capability=offered.capability)
+            sent, got = p.wait(tid), d.wait(tid)
+            assert sent.ok and got.ok, (sent.error, got.error)
+            assert got.verified is verify
+            assert_moved(src, dst, src_runs, dst_runs, before)
+        assert metric(port, rpcs_ok("Claim")) == 1  # the first pull's alone
+        assert metric(port, rpcs_ok("Commit")) == 1  # the verified one's
+
+
 def test_a_handshake_without_a_watch_stream_is_dropped_and_a_watched_one_kept(spawn, peer_channel) -> None:
     dec, port = spawn_with_metrics(spawn, "decode-sessions", SMALL)
     pre = spawn("prefill-sessions", [SMALL])

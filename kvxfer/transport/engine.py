@@ -126,6 +126,11 @@ class UcxEngine:
         self._submit(lambda: self._open_receive(batch))
         return batch
 
+    def discard(self, tags: list[int]) -> None:
+        """Take the messages with these tags, should they arrive (for ``DRAIN_S``), and
+        drop their bytes (``kvxfer.transport.drain``)."""
+        self._submit(lambda: self._late.watch(tags))
+
     def close_endpoint(self, endpoint: EndpointId) -> None:
         """Close an endpoint (its unfinished sends fail); safe to call twice."""
         self._submit(lambda: self._close_ep(endpoint.number))

@@ -159,6 +159,11 @@ class UcxLanes:
             engine.abandon(part, reason).add_done_callback(lane_quiet)
         return quiet
 
+    def discard(self, tag_base: int, count: int, lanes: int) -> None:
+        """Take and drop messages ``tag_base + k``, ``k < count``, each on lane ``k % lanes``."""
+        for i, engine in enumerate(self.engines[:lanes]):
+            engine.discard([tag_base + k for k in range(i, count, lanes)])
+
     def close_connection(self, connection: Connection) -> None:
         """Close each lane's endpoint; safe to call twice."""
         assert isinstance(connection, LaneConnection)

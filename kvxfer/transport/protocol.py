@@ -83,6 +83,12 @@ class Transport(Protocol):
         abandon still writes its pages until then."""
         ...
 
+    def discard(self, tag_base: int, count: int, lanes: int) -> None:
+        """Take the messages tagged ``tag_base + k`` for ``k < count`` (message ``k`` on lane
+        ``k % lanes``), should they arrive, and throw their bytes away: for a transfer whose
+        sender may have sent before its receives were posted, and that ended first."""
+        ...
+
     def close_connection(self, connection: Connection) -> None:
         """Close a connection (its unfinished sends fail); safe to call twice."""
         ...

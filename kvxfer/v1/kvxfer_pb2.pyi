@@ -1753,6 +1753,13 @@ class RequestPushRequest(_message.Message):
     registered already; the sender then pushes to reply_to, within the offer's deadline.
     An offer that is not registered here, or whose capability differs or was presented
     before, is NOT_FOUND at once, all with the same message.
+
+    With a placement (the receiver holds an inbound session the sender opened, and does
+    not read the sender's memory locally), the pull costs this one round trip: the sender
+    checks that the session is its own with reply_to, plans the chunks from both runs,
+    starts sending to the placement's tags and answers with its runs (started); the
+    receiver plans the same chunks and posts its receives then (UCX keeps what arrived
+    before). A sender that cannot use the placement ignores it and claims as for a push.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1761,6 +1768,7 @@ class RequestPushRequest(_message.Message):
     REPLY_TO_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     reply_to: _builtins.str
     """the receiver's peer address"""
@@ -1768,6 +1776,8 @@ class RequestPushRequest(_message.Message):
     """the offer's capability, compared in constant time"""
     prompt_digest: _builtins.bytes
     """the puller's prompt digest: must equal the offer's"""
+    @_builtins.property
+    def placement(self) -> Global___PullPlacement: ...
     def __init__(
         self,
         *,
@@ -1775,29 +1785,111 @@ class RequestPushRequest(_message.Message):
         reply_to: _builtins.str = ...,
         capability: _builtins.str = ...,
         prompt_digest: _builtins.bytes = ...,
+        placement: Global___PullPlacement | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "placement", b"placement", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RequestPushRequest: _TypeAlias = RequestPushRequest  # noqa: Y015
 
 @_typing.final
-class RequestPushResponse(_message.Message):
+class PullPlacement(_message.Message):
+    """Where a pull's pages go, for a sender that sends without a Claim."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    DST_POOL_FIELD_NUMBER: _builtins.int
+    DST_RUNS_FIELD_NUMBER: _builtins.int
+    TAG_BASE_FIELD_NUMBER: _builtins.int
+    LANES_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """the session the sender opened to the receiver"""
+    dst_pool: _builtins.str
+    tag_base: _builtins.int
+    """chunk k goes to tag tag_base + k, on lane k % lanes"""
+    lanes: _builtins.int
+    """at most the session's lanes"""
+    chunk_bytes: _builtins.int
+    """the chunks' largest size"""
+    @_builtins.property
+    def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
         self,
+        *,
+        session_id: _builtins.str = ...,
+        dst_pool: _builtins.str = ...,
+        dst_runs: _abc.Iterable[Global___PageRun] | None = ...,
+        tag_base: _builtins.int = ...,
+        lanes: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "dst_pool", b"dst_pool", "dst_runs", b"dst_runs", "lanes", b"lanes", "session_id", b"session_id", "tag_base", b"tag_base"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PullPlacement: _TypeAlias = PullPlacement  # noqa: Y015
+
+@_typing.final
+class RequestPushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STARTED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def started(self) -> Global___PushStarted:
+        """unset: the sender claims as for a push"""
+
+    def __init__(
+        self,
+        *,
+        started: Global___PushStarted | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started", b"started"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["started", b"started"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RequestPushResponse: _TypeAlias = RequestPushResponse  # noqa: Y015
+
+@_typing.final
+class PushStarted(_message.Message):
+    """The sender took the placement: where the chunks come from, and how it sends them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_POOL_FIELD_NUMBER: _builtins.int
+    SRC_RUNS_FIELD_NUMBER: _builtins.int
+    LANES_FIELD_NUMBER: _builtins.int
+    VERIFY_FIELD_NUMBER: _builtins.int
+    src_pool: _builtins.str
+    lanes: _builtins.int
+    """chunk k on lane k % lanes"""
+    verify: _builtins.bool
+    """a Commit with checksums follows the last chunk"""
+    @_builtins.property
+    def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    def __init__(
+        self,
+        *,
+        src_pool: _builtins.str = ...,
+        src_runs: _abc.Iterable[Global___PageRun] | None = ...,
+        lanes: _builtins.int = ...,
+        verify: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lanes", b"lanes", "src_pool", b"src_pool", "src_runs", b"src_runs", "verify", b"verify"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushStarted: _TypeAlias = PushStarted  # noqa: Y015
 
 @_typing.final
 class AbortTransferRequest(_message.Message):

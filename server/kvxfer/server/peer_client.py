@@ -34,6 +34,7 @@ from kvxfer.server.peer_protocol import (
     DaemonHello,
     PeerAbort,
     PullAsk,
+    PushStarted,
     abort_to_proto,
     claim_to_proto,
     commit_to_proto,
@@ -41,6 +42,7 @@ from kvxfer.server.peer_protocol import (
     hello_from_response,
     hello_to_request,
     pull_ask_to_proto,
+    started_from_proto,
 )
 from kvxfer.server.tls import PeerTls
 from kvxfer.status import TransferInfo
@@ -149,10 +151,12 @@ class PeerClient:
         reply = await self._call("Commit", commit_to_proto(commit), time_left(deadline, 0.5))
         return info_from_proto(reply)
 
-    async def request_push(self, request: PullAsk, deadline: float) -> None:
-        """Ask the peer to push an offered transfer to us."""
-        await self._call("RequestPush", pull_ask_to_proto(request),
-                         time_left(deadline, 0.5))
+    async def request_push(self, request: PullAsk, deadline: float) -> PushStarted | None:
+        """Ask the peer to push an offered transfer to us: how it started sending to the
+        request's placement, or None when it claims instead."""
+        reply = await self._call("RequestPush", pull_ask_to_proto(request),
+                                 time_left(deadline, 0.5))
+        return started_from_proto(reply)
 
     async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:
         """Tell the peer a transfer ended here."""

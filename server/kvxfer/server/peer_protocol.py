@@ -3,7 +3,8 @@
 Daemons speak ``kvxfer.v1.KvxferPeer`` to each other: a handshake opens a
 session (``DaemonHello`` both ways), a ``Claim`` asks the receiver where a
 transfer's pages go (``ClaimGrant``), a ``Commit`` closes a verified transfer,
-``PullAsk`` starts a pull, and ``PeerAbort`` ends a transfer on the other
+``PullAsk`` starts a pull (with a ``Placement``, without a Claim: the
+sender answers ``PushStarted``), and ``PeerAbort`` ends a transfer on the other
 side. The peer client and the peer servicer are the only users of the codec;
 decoding a request checks its ids, texts and deadlines (``kvxfer.server.limits``).
 """
@@ -88,14 +89,43 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a pull's pages go, so that the sender sends without a Claim: chunk ``k`` to tag
+    ``tag_base + k`` on lane ``k % lanes``, in the session ``session_id`` it opened to us."""
+
+    session_id: str
+    dst_pool: str
+    dst_runs: PageRuns
+    tag_base: int
+    lanes: int
+    chunk_bytes: int
+
+    def grant(self) -> ClaimGrant:
+        """The placement as the answer a Claim would have had."""
+        return ClaimGrant(self.tag_base, self.dst_pool, self.dst_runs, self.lanes)
+
+
+@dataclass(frozen=True)
+class PushStarted:
+    """The sender took a pull's placement and sends: its runs, lanes and verify setting."""
+
+    src_pool: str
+    src_runs: PageRuns
+    lanes: int
+    verify: bool
+
+
+@dataclass(frozen=True)
 class PullAsk:
     """A puller asks the sender to push ``transfer_id`` (offered here) to ``reply_to``,
-    presenting the offer's capability and the prompt digest it expects."""
+    presenting the offer's capability and the prompt digest it expects; with a
+    ``placement``, to send without a Claim."""
 
     transfer_id: str
     reply_to: str
     capability: str = field(default="", repr=False)
     prompt_digest: bytes = b""
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -206,17 +236,53 @@ def commit_from_proto(msg: pb.CommitRequest) -> Commit:
 
 def pull_ask_to_proto(request: PullAsk) -> pb.RequestPushRequest:
     """A push request as its message."""
-    return pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
-                                 capability=request.capability,
-                                 prompt_digest=request.prompt_digest)
+    msg = pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
+                                capability=request.capability,
+                                prompt_digest=request.prompt_digest)
+    where = request.placement
+    if where is not None:
+        msg.placement.CopyFrom(pb.PullPlacement(
+            session_id=where.session_id, dst_pool=where.dst_pool,
+            dst_runs=runs_to_proto(where.dst_runs), tag_base=where.tag_base, lanes=where.lanes,
+            chunk_bytes=where.chunk_bytes))
+    return msg
 
 
 def pull_ask_from_proto(msg: pb.RequestPushRequest) -> PullAsk:
-    """Decode a push request (its id, address, capability and digest are validated)."""
+    """Decode a push request (its id, address, capability, digest and placement are validated)."""
     if not msg.reply_to:
         raise InvalidArgumentError("reply_to is empty; expected the puller's peer address host:port")
+    placement = None
+    if msg.HasField("placement"):
+        where = msg.placement
+        if where.chunk_bytes < MIN_CHUNK_BYTES or where.lanes < 1:
+            raise InvalidArgumentError(
+                f"placement.chunk_bytes={where.chunk_bytes}, placement.lanes={where.lanes}; "
+                f"expected at least {MIN_CHUNK_BYTES} bytes and 1 lane")
+        placement = Placement(check_id("placement.session_id", where.session_id),
+                              check_text("placement.dst_pool", where.dst_pool),
+                              runs_from_proto(where.dst_runs), where.tag_base, where.lanes,
+                              where.chunk_bytes)
     return PullAsk(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
-                       check_text("capability", msg.capability), check_digest(msg.prompt_digest))
+                   check_text("capability", msg.capability), check_digest(msg.prompt_digest),
+                   placement)
+
+
+def started_to_proto(started: PushStarted | None) -> pb.RequestPushResponse:
+    """A push request's answer: how the sender sends, or nothing (it claims)."""
+    if started is None:
+        return pb.RequestPushResponse()
+    return pb.RequestPushResponse(started=pb.PushStarted(
+        src_pool=started.src_pool, src_runs=runs_to_proto(started.src_runs),
+        lanes=started.lanes, verify=started.verify))
+
+
+def started_from_proto(msg: pb.RequestPushResponse) -> PushStarted | None:
+    """Decode a push request's answer (None: the sender claims as for a push)."""
+    if not msg.HasField("started"):
+        return None
+    s = msg.started
+    return PushStarted(s.src_pool, runs_from_proto(s.src_runs), s.lanes or 1, s.verify)
 
 
 def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:

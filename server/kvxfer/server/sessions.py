@@ -190,6 +190,11 @@ class Sessions:
                 session = self._outbound[address] = await self._open(address, deadline)
             return session
 
+    def open_outbound(self, address: str) -> OutboundSession | None:
+        """The live session with the peer at ``address``, if one is open (never opens one)."""
+        session = self._outbound.get(address)
+        return session if session is not None and not session.lost.done() else None
+
     async def _open(self, address: str, deadline: float) -> OutboundSession:
         if self._closing.is_set():
             raise PeerUnavailableError("this daemon is shutting down; no new sessions")
@@ -290,6 +295,16 @@ class Sessions:
                 f"session {session_id[:8]} is unknown; handshake first (a session is dropped "
                 f"{self.silence_limit_s:.0f} s after its handshake without a Watch stream)")
         return session
+
+    def inbound_from(self, address: str, identity: str = "") -> InboundSession | None:
+        """The newest live, watched session the peer serving at ``address`` opened to us
+        over UCX (not by local copy), whose certificate names ``identity`` if one is given."""
+        for session in reversed(list(self._inbound.values())):
+            if (session.peer_address == address and session.watched and not session.sources
+                    and not session.lost.done()
+                    and (not identity or session.caller.is_named(identity))):
+                return session
+        return None
 
     def owns(self, session_id: str, caller: Caller) -> bool:
         """Whether ``session_id`` is a live session of ours with ``caller``: one it opened

@@ -22,6 +22,7 @@ from kvxfer.server.peer_protocol import (
     hello_from_request,
     hello_to_response,
     pull_ask_from_proto,
+    started_to_proto,
 )
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
@@ -84,8 +85,7 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         caller = Caller.of(context)
         with _audited(caller, "request-push", request.transfer_id, ""):
             push = pull_ask_from_proto(request)
-            self._transfers.request_push(push, caller)
-        return pb.RequestPushResponse()
+            return started_to_proto(self._transfers.request_push(push, caller))
 
     async def AbortTransfer(self, request: pb.AbortTransferRequest,
                             context: Context) -> pb.AbortTransferResponse:

@@ -30,7 +30,7 @@ from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
 from kvxfer.server.peer_client import PeerClients
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PullAsk
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, PullAsk, PushStarted
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
@@ -250,9 +250,9 @@ class TransferCoordinator:
         """A verifying sender hands over its checksums; the final status."""
         return await self._receiver.commit(commit, caller)
 
-    def request_push(self, request: PullAsk, caller: Caller) -> None:
+    def request_push(self, request: PullAsk, caller: Caller) -> PushStarted | None:
         """A puller asks us to push an offered transfer (see ``Sender.accept_push_request``)."""
-        self._sender.accept_push_request(request, caller)
+        return self._sender.accept_push_request(request, caller)
 
     def abort_from_peer(self, abort: PeerAbort, caller: Caller) -> None:
         """``caller`` ended a transfer; end our side too.

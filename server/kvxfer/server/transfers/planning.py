@@ -38,6 +38,13 @@ def plan_chunks(src_runs: PageRuns, src: PoolLayout, dst_runs: PageRuns, dst: Po
     return chunks
 
 
+def max_chunks(runs: PageRuns, layout: PoolLayout, chunk_bytes: int) -> int:
+    """The most messages any plan of a transfer into (or out of) ``runs`` can have: every
+    page an extent of its own, each cut to ``chunk_bytes``."""
+    per_page = -(-layout.page_bytes // chunk_bytes)
+    return min(runs.num_pages * per_page, (1 << CHUNK_BITS) - 1)
+
+
 class TagAllocator:
     """Hands out tag bases that are unique and unguessable: a secret-keyed permutation of a
     counter (a 4-round Feistel network over BASE_BITS bits, keyed BLAKE2b as its round

@@ -11,8 +11,14 @@ Push, on the decode daemon D (see ``kvxfer.server.transfers``):
    the bytes that arrived and answers with the final status.
 
 A pull starts here: ``pull`` registers the expectation and asks the prefill
-daemon (``RequestPush``) to push it. The receive runs under the sender's
-session: when the session is lost, the transfer fails at once.
+daemon (``RequestPush``) to push it. When that daemon holds a session with us
+already, the ask carries a placement (our pages, a tag base, the lanes): it
+plans, starts sending and answers with its runs, and we plan the same chunks
+and post the receives then (UCX keeps what came first), so the pull costs one
+round trip; otherwise it claims, as for a push. A pull that ends before its
+receives are posted has what its sender sends taken into scratch
+(``Transport.discard``), never into its pages. The receive runs under the
+sender's session: when the session is lost, the transfer fails at once.
 """
 
 from __future__ import annotations
@@ -36,11 +42,11 @@ from kvxfer.integrity import checksum
 from kvxfer.local_copy import PeerArena, copy_in_threads
 from kvxfer.pages import Extent
 from kvxfer.server.peer_client import PeerClients
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, Placement, PullAsk, PushStarted
 from kvxfer.server.sessions import InboundSession, Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
-from kvxfer.server.transfers.planning import TagAllocator, plan_chunks
+from kvxfer.server.transfers.planning import TagAllocator, max_chunks, plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
 from kvxfer.status import TransferInfo, TransferRole, TransferState
@@ -78,9 +84,9 @@ class Receiver:
                                       f"{caller.name} may not claim it")
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} already ended")
-        if t.state != TransferState.WAITING or t.session_id:
+        if t.state != TransferState.WAITING or (t.session_id and not t.placed):
             raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
-        t.session_id = claim.session_id
+        t.session_id, t.placed = claim.session_id, False  # a sender that ignored our placement
         t.peer = t.peer or session.peer_address
         self._registry.tracing.join(t)
         source = session.sources.get(claim.src_pool)
@@ -105,7 +111,8 @@ class Receiver:
         return plan_chunks(claim.src_runs, src.layout, t.runs, t.pool.descriptor.layout,
                            claim.chunk_bytes or self._chunk_bytes)
 
-    def _post(self, t: Transfer, claim: Claim, session: InboundSession) -> ClaimGrant:
+    def _post(self, t: Transfer, claim: Claim, session: InboundSession,
+              tag_base: int | None = None) -> ClaimGrant:
         chunks = self._plan(t, claim, session)
         if claim.lanes > self._transport.lanes:
             raise InvalidArgumentError(
@@ -113,7 +120,7 @@ class Receiver:
                 f"{self._transport.lanes} (its handshake said so)")
         # A lane with no chunk would only cost a wake-up on both sides.
         lanes = min(claim.lanes or 1, max(1, len(chunks)))
-        tag_base = self._tags.next_base()
+        tag_base = self._tags.next_base() if tag_base is None else tag_base
         t.verify = claim.verify
         t.begin(chunks, lanes)
         arena = t.pool.arena
@@ -230,9 +237,74 @@ class Receiver:
         t.task = asyncio.create_task(self._request_push(t), name=f"pull {t.id}")
 
     async def _request_push(self, t: Transfer) -> None:
-        request = PullAsk(t.id, self._peer_address, t.capability, t.prompt_digest)
+        """Ask for the push, with a placement when the sender holds a session with us (then
+        post the receives as its answer says it sends); without one, its Claim follows."""
+        session = self._sessions.inbound_from(t.peer, t.peer_identity)
+        placement = None
+        if session is not None:
+            lanes = min(len(session.peer.ucx_ports), self._transport.lanes)
+            placement = Placement(session.session_id, t.pool.name, t.runs,
+                                  self._tags.next_base(), lanes, self._chunk_bytes)
+            t.session_id, t.placed = session.session_id, True  # an abort now names it
+        request = PullAsk(t.id, self._peer_address, t.capability, t.prompt_digest, placement)
         try:
             with self._registry.tracing.phase(t, "request_push"):
-                await (await self._clients.get(t.peer)).request_push(request, t.deadline)
+                started = await (await self._clients.get(t.peer)).request_push(request, t.deadline)
+        except asyncio.CancelledError:  # the transfer ended here meanwhile
+            if placement is not None:
+                self._discard_unknown(t, placement)
+            raise
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            if placement is not None:
+                self._discard_unknown(t, placement)
             self._registry.fail(t, exc)
+            return
+        if started is None:
+            if t.placed:  # its Claim has not come yet
+                t.session_id, t.placed = "", False
+            return
+        assert session is not None and placement is not None
+        await self._receive_placed(t, session, placement, started)
+
+    async def _receive_placed(self, t: Transfer, session: InboundSession, placement: Placement,
+                              started: PushStarted) -> None:
+        """The sender sends to ``placement`` already: post the receives its answer implies
+        and receive under the session. If ``t`` ended meanwhile, or the answer does not fit,
+        what it sends is taken and thrown away, never into ``t``'s pages."""
+        claim = Claim(t.id, session.session_id, started.src_pool, started.src_runs,
+                      started.verify, placement.chunk_bytes, placement.lanes)
+        if t.state.final or not t.placed or t.session_id != session.session_id:
+            self._discard(t, placement, claim, session)  # ended, or (never) claimed meanwhile
+            return
+        t.placed = False
+        self._registry.tracing.join(t)
+        try:
+            grant = self._post(t, claim, session, placement.tag_base)
+            if grant.lanes != started.lanes:
+                raise IncompatiblePeerError(
+                    f"sender {t.peer} sends {t.id!r} over {started.lanes} lanes; its chunks "
+                    f"fill {grant.lanes} here")
+        except KvxferError as exc:
+            if t.batch is None:
+                self._discard(t, placement, claim, session)
+            self._registry.fail(t, exc)  # which abandons a posted batch, draining the rest
+            return
+        assert t.batch is not None
+        await self._receive(t, t.batch, session)
+
+    def _discard(self, t: Transfer, placement: Placement, claim: Claim,
+                 session: InboundSession) -> None:
+        """Take whatever the sender sends to ``placement`` into scratch, as many messages as
+        its plan has (or any plan could have, if it does not fit)."""
+        try:
+            count = len(self._plan(t, claim, session))
+        except KvxferError:
+            count = max_chunks(t.runs, t.pool.descriptor.layout, placement.chunk_bytes)
+        self._transport.discard(placement.tag_base, count, placement.lanes)
+
+    def _discard_unknown(self, t: Transfer, placement: Placement) -> None:
+        """The sender's answer never came, so it may be sending: take and throw away as many
+        messages as any plan into ``t``'s pages could have."""
+        self._transport.discard(placement.tag_base,
+                                max_chunks(t.runs, t.pool.descriptor.layout, placement.chunk_bytes),
+                                placement.lanes)

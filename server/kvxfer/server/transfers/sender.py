@@ -9,6 +9,9 @@ Push, on the prefill daemon P (see ``kvxfer.server.transfers``):
 4. With verify, P hands D the per-chunk checksums (``Commit``) and adopts
    D's final status.
 
+A pull whose ask brings a placement, in the session P holds with D already,
+skips steps 1 and 2: the placement says where the chunks go, and P sends at once.
+
 Everything after the session opens runs under it (``session.guard``): a lost
 peer fails the transfer at once, wherever it is.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from kvxfer.descriptor import PoolDescriptor, check_compatible
 from kvxfer.errors import (
@@ -27,7 +31,7 @@ from kvxfer.errors import (
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
-from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk
+from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk, PushStarted
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents, same_prompt
@@ -53,11 +57,15 @@ class Sender:
         """Push ``t`` to ``t.peer`` in the background."""
         t.task = asyncio.create_task(self._push(t), name=f"push {t.id}")
 
-    def accept_push_request(self, request: PullAsk, caller: Caller) -> None:
+    def accept_push_request(self, request: PullAsk, caller: Caller) -> PushStarted | None:
         """``caller`` asks us to push ``request.transfer_id`` to it. It must be offered here
         already, and the request must present the offer's capability (once) and, if the
         offer names a peer, come from it: anything else is the same NOT_FOUND, at once. A
-        prompt digest other than the offer's fails the transfer (PromptMismatchError)."""
+        prompt digest other than the offer's fails the transfer (PromptMismatchError).
+
+        With a placement in the session we opened to ``reply_to`` (and a peer that does not
+        read our memory), the chunks are planned and sent now, without a Claim, and the
+        answer says how; otherwise (None) the push claims as any push does."""
         t = self._registry.find(request.transfer_id)
         if (t is None or t.role != TransferRole.SENDER or t.capability_spent
                 or not presents(request.capability, t.capability)
@@ -77,7 +85,29 @@ class Sender:
             raise mismatch
         t.peer = request.reply_to
         self._registry.tracing.join(t)
-        self.start(t)
+        session = self._sessions.open_outbound(t.peer)
+        where = request.placement
+        if (where is None or session is None or session.session_id != where.session_id
+                or session.peer.reads_locally):
+            self.start(t)
+            return None
+        t.session_id = session.session_id
+        try:
+            buffers = self._send(t, session, where.grant(), where.chunk_bytes)
+        except Exception as exc:
+            self._registry.fail(t, exc)
+            raise
+        t.task = asyncio.create_task(self._placed(t, session, buffers), name=f"push {t.id}")
+        return PushStarted(t.pool.name, t.runs, t.lanes, t.verify)
+
+    async def _placed(self, t: Transfer, session: OutboundSession, buffers: list[Any]) -> None:
+        """Finish a push that started from a pull's placement, under its session."""
+        try:
+            await session.guard(self._complete(t, session, buffers))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
+            self._registry.fail(t, exc)
 
     async def _push(self, t: Transfer) -> None:
         try:
@@ -92,31 +122,48 @@ class Sender:
 
     async def _run(self, t: Transfer, session: OutboundSession) -> None:
         assert session.client is not None and session.connection is not None
-        connection = session.connection
         claim = Claim(t.id, session.session_id, t.pool.name, t.runs, t.verify,
-                      self._chunk_bytes, connection.lanes, t.capability)
-        tracing = self._registry.tracing
-        with tracing.phase(t, "claim"):
+                      self._chunk_bytes, session.connection.lanes, t.capability)
+        with self._registry.tracing.phase(t, "claim"):
             grant = await session.client.claim(claim, t.deadline)
+        if grant.copied:
+            await self._after_copy(t, session, grant, self._destination(t, session, grant))
+            return
+        await self._complete(t, session, self._send(t, session, grant, self._chunk_bytes))
+
+    def _destination(self, t: Transfer, session: OutboundSession,
+                     grant: ClaimGrant) -> PoolDescriptor:
         dst = session.pools.get(grant.dst_pool)
         if dst is None:
             raise IncompatiblePeerError(f"peer {t.peer} names unknown pool {grant.dst_pool!r}")
         check_compatible(t.pool.descriptor, dst)
-        if grant.copied:
-            await self._after_copy(t, session, grant, dst)
-            return
+        return dst
+
+    def _send(self, t: Transfer, session: OutboundSession, grant: ClaimGrant,
+              chunk_bytes: int) -> list[Any]:
+        """Plan ``t``'s chunks into the granted pages and start sending them (chunk ``k`` to
+        tag ``tag_base + k``, on lane ``k % lanes`` of as many as have a chunk); the chunks'
+        buffers."""
+        assert session.connection is not None
+        dst = self._destination(t, session, grant)
         chunks = plan_chunks(t.runs, t.pool.descriptor.layout, grant.dst_runs, dst.layout,
-                             self._chunk_bytes)
-        if grant.lanes > connection.lanes:
+                             chunk_bytes)
+        if grant.lanes > session.connection.lanes:
             raise InvalidArgumentError(f"peer {t.peer} posted on {grant.lanes} lanes; we offered "
-                                    f"{connection.lanes}")
+                                    f"{session.connection.lanes}")
+        lanes = min(grant.lanes, max(1, len(chunks)))
         arena = t.pool.arena
         buffers = [arena.buffer(c.src_offset, c.nbytes) for c in chunks]
-        t.begin(chunks, grant.lanes)
-        with tracing.phase(t, "data"):
-            t.batch = self._transport.send(
-                connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
-                self._window_bytes, grant.lanes)
+        t.begin(chunks, lanes)
+        t.batch = self._transport.send(
+            session.connection, [(b, grant.tag_base + i) for i, b in enumerate(buffers)],
+            self._window_bytes, lanes)
+        return buffers
+
+    async def _complete(self, t: Transfer, session: OutboundSession, buffers: list[Any]) -> None:
+        """Wait for ``t``'s sends (checksumming them meanwhile, with verify), then end it."""
+        assert t.batch is not None
+        with self._registry.tracing.phase(t, "data"):
             # Checksums are computed in a worker thread while UCX sends: both only read the pages.
             checksums = (await asyncio.to_thread(lambda: [checksum(b) for b in buffers])
                          if t.verify else [])
