@@ -207,21 +207,21 @@ class Pair:
         return done.received, elapsed
 
     def pull(self, pages: int, verify: bool = False) -> tuple[TransferInfo, float]:
-        """Offer ``pages`` pages in seeded random runs and pull them; the receiver's status
-        and the seconds from the offer call to both waits returning."""
+        """Pull one transfer of ``pages`` pages in seeded random runs (as ``move`` pushes
+        one: ``hand_off``); the receiver's status and the seconds from the offer call to
+        both waits returning."""
         src = random_runs(self.rng, list(range(self.num_pages)), pages, (1, 16))
         dst = random_runs(self.rng, list(range(self.num_pages)), pages, (1, 16))
         self.count += 1
-        tid = f"pull-{self.count}"
         start = time.perf_counter()
-        offered = self.sender.offer(tid, "kv", src, timeout_s=120, verify=verify)
-        self.receiver.pull(tid, self.prefill.peer_address, "kv", dst, timeout_s=120,
-                           capability=offered.capability)
-        got, sent = self.receiver.wait(tid, 120), self.sender.wait(tid, 120)
+        done = hand_off(self.sender, self.receiver, f"pull-{self.count}", pool="kv", src=src,
+                        dst=dst, prefill_peer=self.prefill.peer_address, mode="pull",
+                        verify=verify, timeout_s=120)
         elapsed = time.perf_counter() - start
-        if not (got.ok and sent.ok):
-            raise RuntimeError(f"pull {tid} failed: {got.error or sent.error}")
-        return got, elapsed
+        if not done.ok:
+            raise RuntimeError(f"transfer pull-{self.count} failed: {done.why}: "
+                               f"{done.sent.error or done.received.error}")
+        return done.received, elapsed
 
     def transfer_gbps(self) -> tuple[float, float]:
         """Move one transfer: its GB/s as the client saw it, and over the receiver's data
