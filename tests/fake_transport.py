@@ -177,9 +177,9 @@ class FakeTransport:
         with self._network.lock:
             self.discarded.update(range(tag_base, tag_base + count))
             waiting = [self.unexpected.pop(t) for t in list(self.unexpected) if t in self.discarded]
-        for _, sent in waiting:
+        for data, sent in waiting:
             self._network.dropped += 1
-            sent.add(sent.total)
+            sent.add(data.size)
 
     def close_connection(self, connection: Connection) -> None:
         pass

@@ -1868,11 +1868,14 @@ class PushStarted(_message.Message):
     SRC_RUNS_FIELD_NUMBER: _builtins.int
     LANES_FIELD_NUMBER: _builtins.int
     VERIFY_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
     src_pool: _builtins.str
     lanes: _builtins.int
     """chunk k on lane k % lanes"""
     verify: _builtins.bool
     """a Commit with checksums follows the last chunk"""
+    chunks: _builtins.int
+    """it sends to tags tag_base .. tag_base + chunks - 1"""
     @_builtins.property
     def src_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     def __init__(
@@ -1882,10 +1885,11 @@ class PushStarted(_message.Message):
         src_runs: _abc.Iterable[Global___PageRun] | None = ...,
         lanes: _builtins.int = ...,
         verify: _builtins.bool = ...,
+        chunks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lanes", b"lanes", "src_pool", b"src_pool", "src_runs", b"src_runs", "verify", b"verify"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunks", b"chunks", "lanes", b"lanes", "src_pool", b"src_pool", "src_runs", b"src_runs", "verify", b"verify"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

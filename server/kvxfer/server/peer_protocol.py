@@ -107,10 +107,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class PushStarted:
-    """The sender took a pull's placement and sends: its runs, lanes and verify setting."""
+    """The sender took a pull's placement and sends: its runs, how many chunks over how many
+    lanes, and its verify setting."""
 
     src_pool: str
     src_runs: PageRuns
+    chunks: int
     lanes: int
     verify: bool
 
@@ -274,7 +276,7 @@ def started_to_proto(started: PushStarted | None) -> pb.RequestPushResponse:
         return pb.RequestPushResponse()
     return pb.RequestPushResponse(started=pb.PushStarted(
         src_pool=started.src_pool, src_runs=runs_to_proto(started.src_runs),
-        lanes=started.lanes, verify=started.verify))
+        chunks=started.chunks, lanes=started.lanes, verify=started.verify))
 
 
 def started_from_proto(msg: pb.RequestPushResponse) -> PushStarted | None:
@@ -282,7 +284,7 @@ def started_from_proto(msg: pb.RequestPushResponse) -> PushStarted | None:
     if not msg.HasField("started"):
         return None
     s = msg.started
-    return PushStarted(s.src_pool, runs_from_proto(s.src_runs), s.lanes or 1, s.verify)
+    return PushStarted(s.src_pool, runs_from_proto(s.src_runs), s.chunks, s.lanes or 1, s.verify)
 
 
 def abort_to_proto(abort: PeerAbort) -> pb.AbortTransferRequest:

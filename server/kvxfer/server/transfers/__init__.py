@@ -20,7 +20,10 @@ that ``push`` on the prefill daemon P presents):
    bytes that arrived and answers with the final status, which P adopts.
 
 Pull is the same with one step before: ``pull`` on D registers the expectation
-and asks P (``RequestPush``) to push once its ``offer`` is there.
+and asks P (``RequestPush``) to push once its ``offer`` is there. When P holds a
+session it opened to D, the ask places the pages (where they go, the tag base,
+the lanes): P skips steps 1 and 2, sends at once and answers with its runs, and
+D posts the receives then, so a pull costs one round trip.
 
 Modules: ``record`` (one side of a transfer and the table of its states),
 ``registry`` (registration, lookup for peers, retention, endings), ``planning``

@@ -282,7 +282,7 @@ class TransferCoordinator:
     def _tell_peer(self, t: Transfer, reason: str) -> None:
         if not t.peer:
             return
-        abort = PeerAbort(t.id, t.session_id, reason, t.capability)
+        abort = PeerAbort(t.id, t.session_id or t.placed_session, reason, t.capability)
         self._spawn(self._tell(t.peer, abort), name=f"tell {t.peer} {t.id} ended")
 
     async def _tell(self, peer: str, abort: PeerAbort) -> None:

@@ -36,6 +36,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     PeerNotAllowedError,
+    PeerUnavailableError,
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
@@ -53,6 +54,11 @@ from kvxfer.status import TransferInfo, TransferRole, TransferState
 from kvxfer.transport import Batch, Transport
 
 log = logging.getLogger("kvxfer.server.transfers")
+
+#: How an ask with a placement may fail after its sender started sending (a sender refuses
+#: anything else before it sends, or stops its sends before it answers).
+MAYBE_SENT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN", "ABORTED",
+                        "CANCELLED"})
 
 
 class Receiver:
@@ -84,9 +90,9 @@ class Receiver:
                                       f"{caller.name} may not claim it")
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} already ended")
-        if t.state != TransferState.WAITING or (t.session_id and not t.placed):
+        if t.state != TransferState.WAITING or t.session_id:
             raise TransferExistsError(f"transfer {t.id!r} was already claimed by another sender")
-        t.session_id, t.placed = claim.session_id, False  # a sender that ignored our placement
+        t.session_id, t.placed_session = claim.session_id, ""  # the placement was not taken
         t.peer = t.peer or session.peer_address
         self._registry.tracing.join(t)
         source = session.sources.get(claim.src_pool)
@@ -245,7 +251,7 @@ class Receiver:
             lanes = min(len(session.peer.ucx_ports), self._transport.lanes)
             placement = Placement(session.session_id, t.pool.name, t.runs,
                                   self._tags.next_base(), lanes, self._chunk_bytes)
-            t.session_id, t.placed = session.session_id, True  # an abort now names it
+            t.placed_session = session.session_id  # an abort from here names it
         request = PullAsk(t.id, self._peer_address, t.capability, t.prompt_digest, placement)
         try:
             with self._registry.tracing.phase(t, "request_push"):
@@ -255,13 +261,13 @@ class Receiver:
                 self._discard_unknown(t, placement)
             raise
         except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
-            if placement is not None:
+            code = exc.code if isinstance(exc, KvxferError) else "UNKNOWN"
+            if placement is not None and code in MAYBE_SENT:
                 self._discard_unknown(t, placement)
             self._registry.fail(t, exc)
             return
         if started is None:
-            if t.placed:  # its Claim has not come yet
-                t.session_id, t.placed = "", False
+            t.placed_session = ""  # the sender claims
             return
         assert session is not None and placement is not None
         await self._receive_placed(t, session, placement, started)
@@ -269,38 +275,33 @@ class Receiver:
     async def _receive_placed(self, t: Transfer, session: InboundSession, placement: Placement,
                               started: PushStarted) -> None:
         """The sender sends to ``placement`` already: post the receives its answer implies
-        and receive under the session. If ``t`` ended meanwhile, or the answer does not fit,
-        what it sends is taken and thrown away, never into ``t``'s pages."""
+        and receive under the session. If ``t`` ended or its session was lost meanwhile, or
+        the answer does not fit our plan, what it sends (the chunks and lanes it said) is
+        taken and thrown away, never into ``t``'s pages."""
         claim = Claim(t.id, session.session_id, started.src_pool, started.src_runs,
                       started.verify, placement.chunk_bytes, placement.lanes)
-        if t.state.final or not t.placed or t.session_id != session.session_id:
-            self._discard(t, placement, claim, session)  # ended, or (never) claimed meanwhile
-            return
-        t.placed = False
-        self._registry.tracing.join(t)
+        if t.state.final or t.session_id or t.placed_session != session.session_id:
+            self._transport.discard(placement.tag_base, started.chunks, started.lanes)
+            return  # it ended meanwhile (or, never by this sender, was claimed)
         try:
-            grant = self._post(t, claim, session, placement.tag_base)
-            if grant.lanes != started.lanes:
+            if session.lost.done():
+                raise PeerUnavailableError(session.lost.result())
+            chunks = self._plan(t, claim, session)
+            lanes = min(placement.lanes, max(1, len(chunks)))
+            if (len(chunks), lanes) != (started.chunks, started.lanes):
                 raise IncompatiblePeerError(
-                    f"sender {t.peer} sends {t.id!r} over {started.lanes} lanes; its chunks "
-                    f"fill {grant.lanes} here")
-        except KvxferError as exc:
+                    f"sender {t.peer} sends {t.id!r} as {started.chunks} chunks over "
+                    f"{started.lanes} lanes; our plan has {len(chunks)} over {lanes}")
+            t.session_id, t.placed_session = session.session_id, ""
+            self._registry.tracing.join(t)
+            self._post(t, claim, session, placement.tag_base)
+        except Exception as exc:  # noqa: BLE001 - the transfer fails, the daemon does not
             if t.batch is None:
-                self._discard(t, placement, claim, session)
+                self._transport.discard(placement.tag_base, started.chunks, started.lanes)
             self._registry.fail(t, exc)  # which abandons a posted batch, draining the rest
             return
         assert t.batch is not None
         await self._receive(t, t.batch, session)
-
-    def _discard(self, t: Transfer, placement: Placement, claim: Claim,
-                 session: InboundSession) -> None:
-        """Take whatever the sender sends to ``placement`` into scratch, as many messages as
-        its plan has (or any plan could have, if it does not fit)."""
-        try:
-            count = len(self._plan(t, claim, session))
-        except KvxferError:
-            count = max_chunks(t.runs, t.pool.descriptor.layout, placement.chunk_bytes)
-        self._transport.discard(placement.tag_base, count, placement.lanes)
 
     def _discard_unknown(self, t: Transfer, placement: Placement) -> None:
         """The sender's answer never came, so it may be sending: take and throw away as many

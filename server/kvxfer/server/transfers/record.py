@@ -75,7 +75,7 @@ class Transfer:
     peer: str = ""
     peer_identity: str = ""
     session_id: str = ""
-    placed: bool = False  # a pull asked with a placement in session_id; the answer is due
+    placed_session: str = ""  # a pull's ask placed it in this session; the answer is due
     lease_id: str = ""
     release_lease: bool = False
     capability: str = field(default="", repr=False)

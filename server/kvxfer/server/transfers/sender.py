@@ -98,7 +98,7 @@ class Sender:
             self._registry.fail(t, exc)
             raise
         t.task = asyncio.create_task(self._placed(t, session, buffers), name=f"push {t.id}")
-        return PushStarted(t.pool.name, t.runs, t.lanes, t.verify)
+        return PushStarted(t.pool.name, t.runs, len(t.chunks), t.lanes, t.verify)
 
     async def _placed(self, t: Transfer, session: OutboundSession, buffers: list[Any]) -> None:
         """Finish a push that started from a pull's placement, under its session."""
