@@ -10,6 +10,7 @@ into its pages.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,12 @@ from fake_transport import FakeNetwork
 from inprocess import Side, run, side, until
 from test_state_machine import DST, SRC, fill, moved, push
 
-from kvxfer.errors import IntegrityError, PeerUnavailableError, TransferAbortedError
+from kvxfer.errors import (
+    IncompatiblePeerError,
+    IntegrityError,
+    PeerUnavailableError,
+    TransferAbortedError,
+)
 from kvxfer.server.peer_protocol import Claim, ClaimGrant
 from kvxfer.server.tls import Caller
 from kvxfer.status import TransferState
@@ -117,4 +123,31 @@ def test_a_placed_verified_pull_catches_a_corrupted_byte(tmp_path: Path) -> None
         assert isinstance(got.failure, IntegrityError) and "checksum" in got.error
         assert isinstance(sent.failure, IntegrityError)
         assert claims == []
+    placed(tmp_path, body)
+
+
+def test_an_answer_that_does_not_fit_the_plan_fails_the_pull_before_a_receive_is_posted(
+        tmp_path: Path) -> None:
+    """The sender says it sends one chunk more than the decode side plans: the pull fails,
+    nothing is posted into its pages, and every message the sender said it sends is taken."""
+    async def body(sender: Side, receiver: Side, network: FakeNetwork, claims: list[str]) -> None:
+        before = receiver.raw.clone()
+        request_push = sender.transfers.request_push
+
+        def one_more(request: Any, caller: Caller) -> Any:
+            started = request_push(request, caller)
+            return dataclasses.replace(started, chunks=started.chunks + 1)
+
+        sender.transfers.request_push = one_more  # type: ignore[method-assign]
+        await pull(sender, receiver, "misfit")
+        got = await receiver.final("misfit")
+        assert isinstance(got.failure, IncompatiblePeerError), got.error
+        assert "3 chunks over 1 lanes; our plan has 2 over 1" in got.error
+        transport = receiver.daemon.transport
+        assert transport is not None
+        assert network.dropped == 2 and not transport.unexpected  # type: ignore[attr-defined]
+        assert set(range(min(transport.discarded), min(transport.discarded) + 3)) == \
+            transport.discarded  # type: ignore[attr-defined]
+        assert torch.equal(receiver.raw, before)
+        assert (await sender.final("misfit")).state.final
     placed(tmp_path, body)
