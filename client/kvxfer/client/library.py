@@ -179,6 +179,15 @@ class KvxferClient:
         epoch = arena_epoch or self._mapped_epochs.get(pool, "")
         return lease_use_to_proto(LeaseUse(lease_id, release_lease, epoch))
 
+    def reachable(self, timeout_s: float) -> bool:
+        """Whether the channel to the daemon is connected, or connects within ``timeout_s``
+        (after a restart of the daemon, once its reconnect backoff has passed)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            return False
+        return True
+
     def health(self, service: str = "") -> str:
         """The daemon's health status name (SERVING, NOT_SERVING, ...)."""
         reply = self._call(self._health_check, health_pb2.HealthCheckRequest(service=service))

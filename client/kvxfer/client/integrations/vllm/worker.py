@@ -43,6 +43,7 @@ from kvxfer.client.integrations.vllm.layout import (
     engine_blocks,
 )
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
+from kvxfer.client.integrations.vllm.reconnecting import Reconnecting
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.integrations.vllm.stats import LoadTimeline, TransferStats
 from kvxfer.client.library import AttachedPool, KvxferClient
@@ -111,6 +112,7 @@ class WorkerSide:
         self._feed: CompletionFeed | None = None  # from the first load on
         self._resync = False  # some endings were missed: ask for every ended transfer
         self._endings = Endings(self._client)
+        self._reach = Reconnecting(self._client)  # a restarting daemon is waited for, once
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
@@ -125,7 +127,7 @@ class WorkerSide:
         """Map the daemon's pool (dropping an earlier mapping first) and start following its
         completions from now."""
         self._detach()
-        pool = self._client.attach(self._settings.pool)
+        pool = self._reach.call(lambda: self._client.attach(self._settings.pool))
         try:
             check_pool(self._layout, pool.descriptor)
         except IncompatibleLayoutError:
@@ -260,7 +262,7 @@ class WorkerSide:
         if self._pool is None:  # an earlier re-attach failed: try again before pulling
             self._attach()
         try:
-            lease, pulled = self._lease_and_pull(load, transfer_id)
+            lease, pulled = self._reach.call(lambda: self._lease_and_pull(load, transfer_id))
         except StaleArenaError:
             log.warning("kvxfer: daemon %s restarted since we mapped pool %r: re-attaching",
                         self._settings.daemon, self._settings.pool)
