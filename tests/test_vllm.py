@@ -161,6 +161,32 @@ def test_every_transfer_is_recorded_and_no_page_stays_leased(run) -> None:
     assert len(run["prefill_stats"]) == 17 and all(s["copy_s"] > 0 for s in run["prefill_stats"])
 
 
+def total(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``samples`` of metric ``name`` whose labels include ``labels``."""
+    want = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(value for sample, value in samples.items()
+               if sample.partition("{")[0] == name and all(w in sample for w in want))
+
+
+def test_vllms_own_metrics_count_every_load_save_and_failure_by_reason(run) -> None:
+    """The connector's figures reach each engine's ``/metrics`` through vLLM's
+    KVConnectorStats: taken before the trust phase, after 13 good loads and 4 corrupted
+    ones refused by their checksums (the JSONL records count the same)."""
+    decode, prefill = run["engine_metrics"]["decode"], run["engine_metrics"]["prefill"]
+    done = [s for s in run["decode_stats"] if s.get("ok")]
+    assert total(decode, "vllm:kvxfer_load_time_seconds_count") == len(done) == 13
+    assert total(decode, "vllm:kvxfer_load_bytes_sum") == sum(s["bytes"] for s in done)
+    assert total(decode, "vllm:kvxfer_load_pages_sum") == sum(s["pages"] for s in done)
+    assert 0 < total(decode, "vllm:kvxfer_load_time_seconds_sum") < 13 * 30
+    assert total(decode, "vllm:kvxfer_failed_loads_total") == 4
+    assert total(decode, "vllm:kvxfer_failed_loads_total", reason="INTEGRITY_CHECK_FAILED") == 4
+    assert total(prefill, "vllm:kvxfer_save_time_seconds_count") == len(run["prefill_stats"]) == 17
+    assert total(prefill, "vllm:kvxfer_save_bytes_sum") == sum(s["bytes"] for s in run["prefill_stats"])
+    assert total(prefill, "vllm:kvxfer_failed_saves_total") == 0
+    assert total(decode, "vllm:kvxfer_connector_errors_total") == 0
+    assert total(prefill, "vllm:kvxfer_load_time_seconds_count") == 0
+
+
 def test_with_two_tensor_parallel_ranks_the_answers_still_equal_one_engine(run_tp2) -> None:
     assert run_tp2["tp"] == 2
     assert differences(run_tp2["baseline"]["A"], run_tp2["disaggregated"]) == []
@@ -179,6 +205,10 @@ def test_with_two_ranks_each_rank_moves_its_own_shard_and_nothing_is_computed_tw
     ranks = [s["rank"] for s in run_tp2["decode_stats"] if s.get("ok")]
     assert sorted(set(ranks)) == [0, 1] and ranks.count(0) == ranks.count(1)
     assert run_tp2["leased_pages_at_end"] == {"prefill": {"kv": 0}, "decode": {"kv": 0}}
+    metrics = run_tp2["engine_metrics"]["decode"]  # vLLM summed both ranks' figures
+    assert total(metrics, "vllm:kvxfer_load_time_seconds_count") == len(ranks)
+    assert total(metrics, "vllm:kvxfer_load_bytes_sum") == sum(
+        s["bytes"] for s in run_tp2["decode_stats"] if s.get("ok"))
 
 
 #: How far a logprob of the trust phase may be from the plain engine's: vllm-router

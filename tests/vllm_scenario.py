@@ -119,6 +119,9 @@ def main() -> None:
                 path = workdir / f"{side}-stats.jsonl"
                 records = path.read_text().splitlines() if path.exists() else []
                 out[f"{side}_stats"] = [json.loads(line) for line in records]
+            assert d.prefill is not None and d.decode is not None
+            out["engine_metrics"] = {"prefill": d.prefill.samples("vllm:kvxfer_"),
+                                     "decode": d.decode.samples("vllm:kvxfer_")}
             if args.failure_policy == "fail":
                 out["fail_policy"] = vllm_trust_phase.fail_policy_case(d, model)
             if args.controls:

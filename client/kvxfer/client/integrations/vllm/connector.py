@@ -41,14 +41,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
+from kvxfer.client.integrations.vllm.stats import IntervalStats
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -107,6 +114,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker: WorkerSide | None = None
         #: Entry points that raised (and were answered safely), by name.
         self.failures: Counter[str] = Counter()
+        #: This interval's figures for vLLM's metrics (``metrics``).
+        self._interval = IntervalStats()
         if role == KVConnectorRole.SCHEDULER:
             producer = bool(transfer.is_kv_producer)
             self._scheduler = SchedulerSide(
@@ -117,7 +126,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self._worker = WorkerSide(settings, layout, engine_id, get_tensor_model_parallel_rank())
+            self._worker = WorkerSide(settings, layout, engine_id, get_tensor_model_parallel_rank(),
+                                      self._interval)
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
         """``call()``; if it raises, log and count it and answer ``fallback()`` instead."""
@@ -125,6 +135,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return call()
         except Exception:  # noqa: BLE001 - the failure contract: nothing reaches vLLM's loops
             self.failures[what] += 1
+            self._interval.count("errors", what)
             log.exception("kvxfer: %s failed; answered so that the request stays correct", what)
             return fallback()
 
@@ -219,6 +230,24 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return KVConnectorTransferResults(finished_recving=worker.get_finished(),
                                               failed_recving=worker.take_failed())
         return self._guarded("get_transfer_results", results, KVConnectorTransferResults)
+
+    # -- vLLM's metrics ---------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This half's figures since vLLM last asked (None when nothing happened)."""
+        figures = self._interval.take()
+        return KvxferConnectorStats(data=figures) if figures is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvxferPromMetrics:
+        return KvxferPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -156,12 +156,19 @@ class VllmServer:
 
     def metric(self, sample: str) -> float:
         """One Prometheus sample of the server (``name{labels}`` as exposed; 0 if absent)."""
+        return self.samples(sample.partition("{")[0]).get(sample, 0.0)
+
+    def samples(self, prefix: str) -> dict[str, float]:
+        """The server's Prometheus samples whose names start with ``prefix``, by
+        ``name{labels}`` as exposed."""
         with self.client(timeout_s=10) as http:
-            for line in http.get("/metrics").text.splitlines():
-                name, _, value = line.rpartition(" ")
-                if name == sample:
-                    return float(value)
-        return 0.0
+            text = http.get("/metrics").text
+        found = {}
+        for line in text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name.startswith(prefix) and not line.startswith("#"):
+                found[name] = float(value)
+        return found
 
     def log(self) -> str:
         """What the server printed so far."""

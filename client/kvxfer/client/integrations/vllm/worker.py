@@ -45,7 +45,7 @@ from kvxfer.client.integrations.vllm.layout import (
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
 from kvxfer.client.integrations.vllm.reconnecting import Reconnecting
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
-from kvxfer.client.integrations.vllm.stats import LoadTimeline, TransferStats
+from kvxfer.client.integrations.vllm.stats import IntervalStats, LoadTimeline, TransferStats
 from kvxfer.client.library import AttachedPool, KvxferClient
 from kvxfer.errors import (
     IncompatibleLayoutError,
@@ -84,20 +84,22 @@ class WorkerSide:
     """Moves one engine worker's KV blocks to and from its daemon."""
 
     def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str,
-                 rank: int = 0) -> None:
+                 rank: int = 0, interval: IntervalStats | None = None) -> None:
         self._settings = settings
         self._layout = layout
         self._engine_id = engine_id
         self._rank = rank
         self._client = KvxferClient(settings.daemon, name=f"vllm {engine_id} worker {rank}")
         self._stats = TransferStats(settings.stats_file)
+        #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
+        self.interval = interval or IntervalStats()
         self._pool: AttachedPool | None = None
         self._epoch = ""
         self._pages = torch.empty(0, dtype=torch.uint8)
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
         self._plan = StepPlan()
-        self._unsaved: dict[str, str] = {}  # transfer id -> why this step's save of it failed
+        self._unsaved: dict[str, tuple[str, str]] = {}  # transfer id -> (reason, why) its save failed
         self._layers_saved: Counter[str] = Counter()  # transfer id -> layers copied this step
         self._copy_out: dict[str, float] = {}
         self._pending: dict[str, PendingLoad] = {}
@@ -174,7 +176,7 @@ class WorkerSide:
             try:
                 self._current(save.arena_epoch)
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._unsaved[save.transfer_id] = f"{type(exc).__name__}: {exc}"
+                self._unsaved[save.transfer_id] = (_reason(exc), f"{type(exc).__name__}: {exc}")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's blocks of every request saved this step into its pages."""
@@ -190,7 +192,8 @@ class WorkerSide:
                 self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
                 self._layers_saved[save.transfer_id] += 1
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._unsaved[save.transfer_id] = f"layer {layer_name}: {type(exc).__name__}: {exc}"
+                self._unsaved[save.transfer_id] = ("COPY_FAILED",
+                                                   f"layer {layer_name}: {type(exc).__name__}: {exc}")
             self._copy_out[save.transfer_id] = (self._copy_out.get(save.transfer_id, 0.0)
                                                 + time.perf_counter() - start)
 
@@ -201,12 +204,13 @@ class WorkerSide:
             saved = self._layers_saved.pop(save.transfer_id, 0)
             failed = self._unsaved.get(save.transfer_id)
             if failed is None and saved != self._layout.num_layers:
-                failed = f"{saved} of its {self._layout.num_layers} layers were saved"
+                failed = ("INCOMPLETE", f"{saved} of its {self._layout.num_layers} layers were saved")
             if failed is None:
                 self._offer(save)
                 continue
+            self.interval.count("failed_saves", failed[0])
             log.error("request %s: its KV was not saved (%s); not offered, so its decode engine "
-                      "computes the prompt itself", save.req_id, failed)
+                      "computes the prompt itself", save.req_id, failed[1])
             self._endings.release(save.lease_ids[self._rank])
             self._copy_out.pop(save.transfer_id, None)
 
@@ -224,6 +228,10 @@ class WorkerSide:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
                       "recompute", save.req_id, type(exc).__name__, exc)
             self._endings.release(lease_id)
+            self.interval.count("failed_saves", exc.reason)
+        else:
+            self.interval.save(self._copy_out.get(save.transfer_id, 0.0)
+                               + time.perf_counter() - start, nbytes, len(pages))
         self._stats.record(role="prefill", transfer_id=transfer_id, req_id=save.req_id,
                            rank=self._rank, pages=len(pages), bytes=nbytes,
                            copy_s=self._copy_out.pop(save.transfer_id, 0.0),
@@ -385,6 +393,8 @@ class WorkerSide:
         pending.timeline.mark("landed")
         self._endings.release(pending.lease.lease_id)
         self._finished.add(load.req_id)
+        self.interval.load(pending.timeline.landed - pending.timeline.started, info.bytes,
+                           load.num_pages)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=True, pages=load.num_pages, bytes=info.bytes,
                            transfer_s=transfer_s, daemon_s=info.seconds,
@@ -393,6 +403,7 @@ class WorkerSide:
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
         self.load_failures[reason] += 1
+        self.interval.count("failed_loads", reason)
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
         self._failed.add(load.req_id)
