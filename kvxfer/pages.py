@@ -89,6 +89,22 @@ class PageRuns:
         for run in self.runs:
             yield from range(run.start, run.stop)
 
+    def after(self, skip: int) -> PageRuns:
+        """The sequence without its first ``skip`` pages; InvalidArgumentError unless
+        0 <= ``skip`` < ``num_pages`` (some page must remain)."""
+        if not 0 <= skip < self.num_pages:
+            raise InvalidArgumentError(
+                f"skip_pages={skip}, but there are {self.num_pages} pages; expected 0 to "
+                f"{self.num_pages - 1}")
+        kept: list[PageRun] = []
+        for run in self.runs:
+            if skip >= run.count:
+                skip -= run.count
+                continue
+            kept.append(PageRun(run.start + skip, run.count - skip))
+            skip = 0
+        return PageRuns(tuple(kept))
+
     def check_bounds(self, num_pages: int, *, what: str = "pages") -> None:
         """Raise PageOutOfRangeError unless every page is in ``[0, num_pages)``."""
         for run in self.runs:

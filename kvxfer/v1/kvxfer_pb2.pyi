@@ -911,6 +911,7 @@ class PullRequest(_message.Message):
     WAIT_FIELD_NUMBER: _builtins.int
     CAPABILITY_FIELD_NUMBER: _builtins.int
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
+    SKIP_PAGES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
@@ -924,6 +925,8 @@ class PullRequest(_message.Message):
     """the offer's capability (single use)"""
     prompt_digest: _builtins.bytes
     """must equal the offer's (empty: the offer's must be empty too)"""
+    skip_pages: _builtins.int
+    """the offer's first pages not to move (the puller holds their"""
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
@@ -941,10 +944,11 @@ class PullRequest(_message.Message):
         wait: _builtins.bool = ...,
         capability: _builtins.str = ...,
         prompt_digest: _builtins.bytes = ...,
+        skip_pages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "skip_pages", b"skip_pages", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1769,6 +1773,7 @@ class RequestPushRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _builtins.int
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
+    SKIP_PAGES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     reply_to: _builtins.str
     """the receiver's peer address"""
@@ -1776,6 +1781,8 @@ class RequestPushRequest(_message.Message):
     """the offer's capability, compared in constant time"""
     prompt_digest: _builtins.bytes
     """the puller's prompt digest: must equal the offer's"""
+    skip_pages: _builtins.int
+    """send the offer's pages from this one on (fewer than it has)"""
     @_builtins.property
     def placement(self) -> Global___PullPlacement: ...
     def __init__(
@@ -1786,10 +1793,11 @@ class RequestPushRequest(_message.Message):
         capability: _builtins.str = ...,
         prompt_digest: _builtins.bytes = ...,
         placement: Global___PullPlacement | None = ...,
+        skip_pages: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "placement", b"placement", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "placement", b"placement", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "skip_pages", b"skip_pages", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -255,24 +255,28 @@ class KvxferClient:
              timeout_s: float = 0.0, *, lease_id: str = "",
              release_lease: bool = False, peer_identity: str = "",
              arena_epoch: str = "", capability: str = "", prompt_digest: bytes = b"",
-             wait: bool = False) -> TransferInfo:
+             skip_pages: int = 0, wait: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side),
         presenting the offer's ``capability`` and ``prompt_digest`` (a wrong or spent
         capability, or no such offer, fails the transfer with NOT_FOUND; another digest with
         PromptMismatchError); with ``peer_identity`` (that daemon's certificate name) no
-        other peer may fill it; with ``wait``, answer when it is final."""
+        other peer may fill it; with ``wait``, answer when it is final. The offer's first
+        ``skip_pages`` pages are not moved (the caller holds their KV): ``dst_runs`` receive
+        the rest."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
                              lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                              peer_identity=peer_identity, wait=wait, capability=capability,
-                             prompt_digest=prompt_digest)
+                             prompt_digest=prompt_digest, skip_pages=skip_pages)
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
     def lease_and_pull(self, transfer_id: str, peer: str, pool: str, pages: int,
                        timeout_s: float = 0.0, *, lease_s: float = 0.0, holder: str = "",
                        peer_identity: str = "", arena_epoch: str = "", capability: str = "",
-                       prompt_digest: bytes = b"") -> tuple[LeaseInfo, TransferInfo]:
-        """Lease ``pages`` pages of ``pool`` and ``pull`` into them, in one round trip: the
+                       prompt_digest: bytes = b"",
+                       skip_pages: int = 0) -> tuple[LeaseInfo, TransferInfo]:
+        """Lease ``pages`` pages of ``pool`` and ``pull`` into them (the offer's pages from
+        ``skip_pages`` on: as many as ``pages``), in one round trip: the
         new lease (release it once its pages are read) and the pull's status. A refused
         pull raises as ``pull`` does, and leaves no lease."""
         req = pb.LeasePullRequest(
@@ -280,7 +284,7 @@ class KvxferClient:
             pull=pb.PullRequest(transfer_id=transfer_id, peer=peer, timeout_s=timeout_s,
                                 lease=self._lease(pool, "", False, arena_epoch),
                                 peer_identity=peer_identity, capability=capability,
-                                prompt_digest=prompt_digest))
+                                prompt_digest=prompt_digest, skip_pages=skip_pages))
         reply = self._call(self._stub.LeasePull, req)
         return lease_from_proto(reply.lease), info_from_proto(reply.transfer)
 

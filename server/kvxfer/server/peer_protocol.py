@@ -128,6 +128,7 @@ class PullAsk:
     capability: str = field(default="", repr=False)
     prompt_digest: bytes = b""
     placement: Placement | None = None
+    skip_pages: int = 0  # the offer's first pages not to send
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,8 @@ def pull_ask_to_proto(request: PullAsk) -> pb.RequestPushRequest:
     """A push request as its message."""
     msg = pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
                                 capability=request.capability,
-                                prompt_digest=request.prompt_digest)
+                                prompt_digest=request.prompt_digest,
+                                skip_pages=request.skip_pages)
     where = request.placement
     if where is not None:
         msg.placement.CopyFrom(pb.PullPlacement(
@@ -267,7 +269,7 @@ def pull_ask_from_proto(msg: pb.RequestPushRequest) -> PullAsk:
                               where.chunk_bytes)
     return PullAsk(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
                    check_text("capability", msg.capability), check_digest(msg.prompt_digest),
-                   placement)
+                   placement, msg.skip_pages)
 
 
 def started_to_proto(started: PushStarted | None) -> pb.RequestPushResponse:

@@ -141,16 +141,18 @@ class TransferCoordinator:
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "",
-             capability: str = "", prompt_digest: bytes = b"") -> Transfer:
+             capability: str = "", prompt_digest: bytes = b"", skip_pages: int = 0) -> Transfer:
         """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side),
         presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
-        computed from; with ``peer_identity``, only that peer's session may fill it."""
+        computed from; with ``peer_identity``, only that peer's session may fill it. The
+        offer's first ``skip_pages`` pages are not moved: ``dst_runs`` get the rest."""
         _check_counterpart(peer, "prefill", capability, "a pull presents its offer's capability "
                            "(the offer's or its lease's answer holds it)")
         check_digest(prompt_digest)
         t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
                            peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity,
                            capability=capability, prompt_digest=prompt_digest)
+        t.skip_pages = skip_pages
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -158,14 +160,14 @@ class TransferCoordinator:
     def lease_and_pull(self, pool: str, pages: int, lease_s: float, holder: str,
                        transfer_id: str, peer: str, timeout_s: float, arena_epoch: str = "",
                        peer_identity: str = "", capability: str = "",
-                       prompt_digest: bytes = b"") -> tuple[Lease, Transfer]:
+                       prompt_digest: bytes = b"", skip_pages: int = 0) -> tuple[Lease, Transfer]:
         """Lease ``pages`` pages of ``pool`` (as ``allocate``) and ``pull`` into them; the
         lease outlives the transfer. A refused pull releases the lease and raises."""
         lease = self.leases.allocate(pool, pages, lease_s, holder)
         try:
             t = self.pull(transfer_id, peer, pool, lease.runs, timeout_s,
                           LeaseUse(lease.id, False, arena_epoch), peer_identity, capability,
-                          prompt_digest)
+                          prompt_digest, skip_pages)
         except BaseException:
             self.leases.release(lease.id)
             raise

@@ -61,7 +61,8 @@ class Transfer:
     claim, pull, or abort it before a session has claimed it. ``capability`` is the
     secret an offer's pull (once: ``capability_spent``) and an abort before a session
     must present, and that a pull presents; ``prompt_digest`` what its KV was computed
-    from (an offer's) or is expected to be (a pull's). ``spans`` end with it;
+    from (an offer's) or is expected to be (a pull's). ``skip_pages``: a pull's offer's
+    first pages it does not move (the puller holds their KV). ``spans`` end with it;
     ``trace`` is the context its phases' spans belong to (``kvxfer.server.tracing``).
     """
 
@@ -81,6 +82,7 @@ class Transfer:
     capability: str = field(default="", repr=False)
     capability_spent: bool = False
     prompt_digest: bytes = b""
+    skip_pages: int = 0
     state: TransferState = TransferState.WAITING
     history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
     created_unix: float = field(default_factory=time.time)

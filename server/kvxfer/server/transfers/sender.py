@@ -61,7 +61,9 @@ class Sender:
         """``caller`` asks us to push ``request.transfer_id`` to it. It must be offered here
         already, and the request must present the offer's capability (once) and, if the
         offer names a peer, come from it: anything else is the same NOT_FOUND, at once. A
-        prompt digest other than the offer's fails the transfer (PromptMismatchError).
+        prompt digest other than the offer's fails the transfer (PromptMismatchError). The
+        offer's first ``request.skip_pages`` pages are not sent (fewer than it has, or
+        InvalidArgumentError and the capability stays unspent).
 
         With a placement in the session we opened to ``reply_to`` (and a peer that does not
         read our memory), the chunks are planned and sent now, without a Claim, and the
@@ -71,6 +73,7 @@ class Sender:
                 or not presents(request.capability, t.capability)
                 or (t.peer_identity and not caller.is_named(t.peer_identity))):
             raise not_open_to_caller(request.transfer_id)
+        runs = t.runs.after(request.skip_pages)
         t.capability_spent = True
         if t.state.final:
             raise t.failure(f"transfer {t.id!r} already ended")
@@ -83,7 +86,7 @@ class Sender:
                 f"{request.prompt_digest.hex()[:12] or 'none'} asked)")
             self._registry.finish(t, mismatch)  # it keeps a copy without the traceback
             raise mismatch
-        t.peer = request.reply_to
+        t.peer, t.runs = request.reply_to, runs
         self._registry.tracing.join(t)
         session = self._sessions.open_outbound(t.peer)
         where = request.placement
