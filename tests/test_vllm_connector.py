@@ -125,6 +125,50 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_d.shutdown()
 
 
+def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) -> None:
+    """The decode engine's prefix cache holds the first block: its page is not pulled (the
+    daemons move 2 of the 3 pages), the block keeps its bytes, the others get the prefill's;
+    the interval's figures count the 2 pages."""
+    pre, dec = pair
+    with KvxferClient(pre.worker_address) as p:
+        sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
+                                consumer=False, client=p)
+        sched_d = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
+                                consumer=True, client=None)
+        work_p = WorkerSide(settings(pre.worker_address), LAYOUT, "P")
+        work_d = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
+        kv_p, kv_d = kv_caches(3), kv_caches(4)
+        work_p.register_kv_caches(kv_p)
+        work_d.register_kv_caches(kv_d)
+        decode_before = {k: v.clone() for k, v in kv_d.items()}
+        req = Request("r2", 70, {"do_remote_decode": True})
+        sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
+        work_p.bind(sched_p.build_plan({"r2": (0, 70)}, lambda _: [3, 7, 9]))
+        for name, kv in kv_p.items():
+            work_p.save_kv_layer(name, kv)
+        work_p.wait_for_save()
+        params = sched_p.request_finished(req)
+
+        dreq = Request("d2", 70, params)
+        assert sched_d.get_num_new_matched_tokens(dreq, 32) == (38, True)
+        sched_d.update_state_after_alloc(dreq, [1, 2, 5], 38)
+        work_d.bind(sched_d.build_plan({}, lambda _: []))
+        work_d.start_load_kv()
+        wait_finished(work_d, "d2")
+        assert work_d.take_failed() == set()
+        for name in kv_d:
+            expected = decode_before[name].clone()
+            expected[[2, 5]] = kv_p[name][[7, 9]]
+            assert torch.equal(kv_d[name], expected), name
+        moved = [i for i in p.transfers() if i.transfer_id.endswith("/r2")]
+        assert [i.pages for i in moved] == [2] and moved[0].ok
+        figures = work_d.interval.take()
+        assert figures is not None and figures["load_pages"] == [2]
+        assert figures["load_bytes"] == [2 * LAYOUT.num_layers * LAYOUT.block_bytes]
+        work_p.shutdown()
+        work_d.shutdown()
+
+
 def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:
     theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "vllm_version": "0.31.0"})
     params = RemotePrefill("P/x", "127.0.0.1:1", ("0" * 32,), theirs).to_params()

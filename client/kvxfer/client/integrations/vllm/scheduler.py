@@ -12,8 +12,9 @@ once: the daemon holds the KV from then on.
 
 Decode (``do_remote_prefill`` with kvxfer params): the prompt's tokens beyond a
 local prefix-cache hit are an asynchronous external hit; once vLLM has
-allocated blocks for them, the worker pulls the transfer into leased pages of
-its own daemon and copies them into those blocks (``Load``). How many tokens is
+allocated blocks for them, the worker pulls the transfer's pages past the local
+hit (only those cross the wire) into leased pages of its own daemon and copies
+them into those blocks (``Load``). How many tokens is
 the engine's own prompt length, never a number from params. Params that are
 malformed, of another version or of another block layout are refused before
 any block is allocated: the request is computed here like an ordinary prompt,

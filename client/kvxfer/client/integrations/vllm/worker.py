@@ -284,10 +284,11 @@ class WorkerSide:
 
     def _lease_and_pull(self, load: Load, transfer_id: str) -> tuple[LeaseInfo, TransferInfo]:
         return self._client.lease_and_pull(
-            transfer_id, load.peer, self._settings.pool, load.num_pages,
+            transfer_id, load.peer, self._settings.pool, load.pulled_pages,
             timeout_s=self._settings.timeout_s, lease_s=self._settings.lease_s,
             holder=f"vllm {self._engine_id}", arena_epoch=self._epoch,
-            capability=load.capabilities[self._rank], prompt_digest=load.prompt_digest)
+            capability=load.capabilities[self._rank], prompt_digest=load.prompt_digest,
+            skip_pages=load.first_page)
 
     def _release_after(self, transfer_id: str, pending: PendingLoad) -> None:
         """Release ``pending``'s lease once the daemon reports its transfer ended: until then
@@ -385,7 +386,7 @@ class WorkerSide:
                        _reason(info.failure) if info.failure is not None else info.state.name)
             return
         start = time.perf_counter()
-        pages = list(pending.lease.runs.pages())[load.first_page:load.first_page + len(load.block_ids)]
+        pages = list(pending.lease.runs.pages())[:len(load.block_ids)]
         blocks = list(load.block_ids)
         for layer, kv in enumerate(self._kv):
             kv[blocks] = self._pages[pages, layer]
@@ -394,9 +395,9 @@ class WorkerSide:
         self._endings.release(pending.lease.lease_id)
         self._finished.add(load.req_id)
         self.interval.load(pending.timeline.landed - pending.timeline.started, info.bytes,
-                           load.num_pages)
+                           load.pulled_pages)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
-                           rank=self._rank, ok=True, pages=load.num_pages, bytes=info.bytes,
+                           rank=self._rank, ok=True, pages=load.pulled_pages, bytes=info.bytes,
                            transfer_s=transfer_s, daemon_s=info.seconds,
                            daemon_data_s=info.data_seconds, copy_s=copy_s,
                            verified=info.verified, **pending.timeline.fields())
