@@ -11,6 +11,7 @@ skips, unless KVXFER_REQUIRE_VLLM=1 (CI), where that is a failure.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -185,6 +186,31 @@ def test_vllms_own_metrics_count_every_load_save_and_failure_by_reason(run) -> N
     assert total(prefill, "vllm:kvxfer_failed_saves_total") == 0
     assert total(decode, "vllm:kvxfer_connector_errors_total") == 0
     assert total(prefill, "vllm:kvxfer_load_time_seconds_count") == 0
+
+
+def check_shared_prefix(run: dict[str, Any]) -> None:
+    """The second of two prompts sharing a 4-block prefix: its answer equals a plain
+    engine's, the decode engine took the prefix from its own cache, and only the pages past
+    it crossed the wire (the connector's loaded pages and the prefill daemon's bytes)."""
+    shared = run["shared_prefix"]
+    assert differences(run["baseline_shared"], shared["answers"]) == []
+    first, second = shared["moved"]
+    tokens = [a["prompt_tokens"] for a in shared["answers"]]
+    ranks = run["tp"]
+    assert first["local_cache_hit"] == 0 and first["load_pages"] == ranks * math.ceil(tokens[0] / 32)
+    hit_blocks = second["local_cache_hit"] // 32
+    assert hit_blocks >= 4 and second["local_cache_hit"] % 32 == 0
+    assert second["load_pages"] == ranks * (math.ceil(tokens[1] / 32) - hit_blocks)
+    page_bytes = first["sent_bytes"] / first["load_pages"]
+    assert second["sent_bytes"] == page_bytes * second["load_pages"]
+
+
+def test_the_decode_engine_pulls_only_what_its_prefix_cache_lacks(run) -> None:
+    check_shared_prefix(run)
+
+
+def test_with_two_ranks_each_rank_pulls_only_what_its_prefix_cache_lacks(run_tp2) -> None:
+    check_shared_prefix(run_tp2)
 
 
 def test_with_two_tensor_parallel_ranks_the_answers_still_equal_one_engine(run_tp2) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import vllm_trust_phase
-from vllm_client import ask, ask_all, counters
+from vllm_client import ask, ask_all, counters, metric
 
 from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer, free_port
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
@@ -39,6 +39,8 @@ from kvxfer.client.integrations.vllm.tiny_model import build, prompt
 HERE = Path(__file__).resolve().parent
 #: Prompt lengths in tokens (blocks are 32 tokens): from under one block to seven.
 LENGTHS = [5, 17, 31, 32, 33, 70, 130, 200]
+#: Two prompts sharing a 130-word prefix (4 whole blocks), asked one after the other.
+SHARED = [prompt(seed=300, words=130) + " " + prompt(seed=301 + i, words=40) for i in range(2)]
 
 
 def leased_pages_settled(d: Disaggregation, timeout_s: float = 45.0) -> dict[str, dict[str, int]]:
@@ -57,6 +59,36 @@ def leased_pages_settled(d: Disaggregation, timeout_s: float = 45.0) -> dict[str
             if time.monotonic() > deadline:
                 return leased
             time.sleep(0.5)
+
+
+def ask_in_turn(make_client: Any, model: str, prompts: list[str], prefix: str) -> list[dict[str, Any]]:
+    """Each prompt once the one before was answered (a later one may hit the earlier's
+    prefix cache, on a plain engine as on a disaggregated pair)."""
+    with make_client() as http:
+        return [ask(http, model, text, f"{prefix}-{i}") for i, text in enumerate(prompts)]
+
+
+def shared_prefix_phase(d: Disaggregation, model: str) -> dict[str, Any]:
+    """``SHARED`` through the pair, in turn: the answers, and for each what the decode engine
+    took from its prefix cache and from the transfer, the pages the connector loaded
+    (``vllm:kvxfer_load_pages``) and the bytes the prefill daemon sent."""
+    assert d.decode is not None and d.prefill_daemon is not None
+    pages = f'vllm:kvxfer_load_pages_sum{{engine="0",model_name="{model}"}}'
+    sent = 'kvxfer_bytes_total{role="sender"}'
+
+    def now() -> dict[str, float]:
+        assert d.decode is not None and d.prefill_daemon is not None
+        return {**counters(d, model), "load_pages": d.decode.metric(pages),
+                "sent_bytes": metric(d.prefill_daemon.metrics_port, sent)}
+
+    out: dict[str, Any] = {"answers": [], "moved": []}
+    for i, text in enumerate(SHARED):
+        before = now()
+        out["answers"] += ask_in_turn(d.client, model, [text], f"pd-shared-{i}")
+        leased_pages_settled(d, timeout_s=15.0)  # the sender's transfer ended: counted
+        after = now()
+        out["moved"].append({k: after[k] - before[k] for k in after})
+    return out
 
 
 def main() -> None:
@@ -91,6 +123,7 @@ def main() -> None:
             baseline.wait_ready()
             out["baseline"] = {name: ask_all(baseline.client, model, prompts, f"base-{name}")
                                for name, prompts in sets.items()}
+            out["baseline_shared"] = ask_in_turn(baseline.client, model, SHARED, "base-shared")
             if args.controls:
                 names = list(vllm_trust_phase.PROMPTS)
                 answers = ask_all(baseline.client, model, list(vllm_trust_phase.PROMPTS.values()),
@@ -122,6 +155,7 @@ def main() -> None:
             assert d.prefill is not None and d.decode is not None
             out["engine_metrics"] = {"prefill": d.prefill.samples("vllm:kvxfer_"),
                                      "decode": d.decode.samples("vllm:kvxfer_")}
+            out["shared_prefix"] = shared_prefix_phase(d, model)
             if args.failure_policy == "fail":
                 out["fail_policy"] = vllm_trust_phase.fail_policy_case(d, model)
             if args.controls:
