@@ -27,7 +27,7 @@ from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.worker import WorkerSide
-from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
+from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError, TransferNotFoundError
 
 LAYOUT = BlockLayout(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
                      head_size=64, tp_size=1, vllm_version="0.32.0", attention="cpu/vec")
@@ -322,3 +322,47 @@ def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
         assert p.leased_pages() == {"kv": 0} and d.leased_pages() == {"kv": 0}
         for worker in [*work_p, *work_d]:
             worker.shutdown()
+
+
+def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at_once(pair) -> None:
+    """TP 2: rank 1's load fails at its start; rank 0's pull from a frozen prefill daemon
+    would wait for its 20 s deadline, but rank 1 aborts it: both ranks report the request
+    failed within seconds, and no page stays leased."""
+    pre, dec = pair
+    tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), tp2, "D", producer=False, consumer=True,
+                          client=None)
+    workers = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in range(2)]
+    for rank, worker in enumerate(workers):
+        worker.register_kv_caches(kv_caches(30 + rank))
+
+    def refused(load: Any, transfer_id: str) -> Any:
+        raise TransferNotFoundError(f"{transfer_id} is not offered (this test's rank 1)")
+
+    workers[1]._lease_and_pull = refused  # type: ignore[method-assign]
+    request = Request("split", 64, params)
+    sched.get_num_new_matched_tokens(request, 0)
+    sched.update_state_after_alloc(request, [8, 9], 64)
+    plan = sched.build_plan({}, lambda _: [])
+    os.kill(pre.pid, signal.SIGSTOP)
+    try:
+        for worker in workers:
+            worker.bind(plan)
+            worker.start_load_kv()
+        assert workers[1].get_finished() == {"split"} and workers[1].take_failed() == {"split"}
+        wait_finished(workers[0], "split", timeout_s=5.0)
+        assert workers[0].take_failed() == {"split"}
+        with KvxferClient(dec.worker_address) as d:
+            [info] = d.transfers()
+            assert info.transfer_id == "P/frozen/tp0" and info.state.name == "ABORTED"
+            assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in info.error
+            deadline = time.monotonic() + 5.0  # releases run off the step
+            while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert d.leased_pages() == {"kv": 0}
+    finally:
+        os.kill(pre.pid, signal.SIGCONT)
+        for worker in workers:
+            worker.shutdown()
+

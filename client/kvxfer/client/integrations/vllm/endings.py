@@ -34,6 +34,13 @@ class Endings:
         except RuntimeError:  # closed already
             self._release_now(lease_id)
 
+    def abort_soon(self, transfer_id: str, why: str) -> None:
+        """Abort a transfer soon, in the releasing thread (here once ``close`` was called)."""
+        try:
+            self._releaser.submit(self.abort, transfer_id, why)
+        except RuntimeError:  # closed already
+            self.abort(transfer_id, why)
+
     def abort(self, transfer_id: str, why: str) -> None:
         """Abort a transfer now."""
         try:

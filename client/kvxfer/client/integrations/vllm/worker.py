@@ -51,6 +51,7 @@ from kvxfer.errors import (
     IncompatibleLayoutError,
     KvxferError,
     StaleArenaError,
+    TransferAbortedError,
     TransferExistsError,
 )
 from kvxfer.pages import PageRuns
@@ -403,8 +404,17 @@ class WorkerSide:
                            verified=info.verified, **pending.timeline.fields())
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
+        """Report ``load`` failed; with tensor parallelism, abort the other ranks' transfers
+        of it too (vLLM fails the request once any rank reports failure: theirs must not
+        keep it waiting until their deadline). An abort is not passed on again."""
         self.load_failures[reason] += 1
         self.interval.count("failed_loads", reason)
+        if reason not in ("REFUSED", TransferAbortedError.reason):
+            for rank in range(self._layout.tp_size):
+                if rank != self._rank:
+                    self._endings.abort_soon(
+                        rank_transfer(load.transfer_id, rank, self._layout.tp_size),
+                        f"rank {self._rank}'s load of it failed ({reason})")
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
         self._failed.add(load.req_id)
