@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 from vllm_client import ask, ask_all, counters, metric
 
+from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmRouter
 from kvxfer.client.integrations.vllm.tiny_model import prompt
 
@@ -268,6 +269,17 @@ def fail_policy_case(d: Disaggregation, model: str) -> dict[str, Any]:
     streamed = phase.prefilled("F", "fail-stream-source")
     streamed["kvxfer"]["capabilities"] = ["0" * 32 for _ in streamed["kvxfer"]["capabilities"]]
     phase.out["failed_stream"] = streamed_lines(phase, "F", streamed, "fail-stream")
+    assert d.decode_daemon is not None
+    split = phase.prefilled("F", "stall-rank0-split")
+    if len(split["kvxfer"]["capabilities"]) == 2:  # rank 1's refused, rank 0's stalls
+        split["kvxfer"]["capabilities"][1] = "0" * 32
+        asked = time.monotonic()
+        phase.out["one_rank_failed"] = phase.direct("F", split, "fail-one-rank")
+        phase.out["one_rank_failed_s"] = time.monotonic() - asked
+        with KvxferClient(d.decode_daemon.worker_address) as client:
+            phase.out["one_rank_transfers"] = {
+                i.transfer_id.rsplit("/", 1)[-1]: [i.state.name, i.error]
+                for i in client.transfers() if "stall-rank0-split" in i.transfer_id}
     phase.out["plain_after"] = phase.direct("F", None, "fail-plain-after")
     phase.out["healthy_after"] = phase.healthy()
     phase.out["running_after"] = engine_gauge(phase, "num_requests_running")
