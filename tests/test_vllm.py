@@ -326,10 +326,11 @@ def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
 def test_when_one_rank_fails_the_request_fails_on_every_rank_at_once(run_tp2) -> None:
     """Rank 1's load is refused (a wrong capability for it alone) while rank 0's stalls (the
     decode daemon never asks for it): rank 1 aborts rank 0's transfer, so the request fails
-    (policy ``fail``) in seconds, not at the 30 s deadline of rank 0's transfer."""
+    (policy ``fail``) before the 30 s deadline of rank 0's transfer (without the abort: at
+    the worker's 40 s, deadline and grace; it took 0.3 s alone on this machine)."""
     fail = run_tp2["fail_policy"]
     assert "HTTP 500" in fail["one_rank_failed"].get("error", ""), fail["one_rank_failed"]
-    assert fail["one_rank_failed_s"] < 10, fail["one_rank_failed_s"]
+    assert fail["one_rank_failed_s"] < 25, fail["one_rank_failed_s"]
     transfers = fail["one_rank_transfers"]
     assert transfers["tp0"][0] == "ABORTED", transfers
     assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in transfers["tp0"][1], transfers
