@@ -66,8 +66,9 @@ EXPIRY_GRACE_S = 10.0
 #: spinning the cores that the daemons, moving those very loads, need; a request arriving
 #: meanwhile waits at most this long. With 2 ms, two TP 2 engines on 2 cores ran at a load
 #: average of 40-60 while a load was pending (each step's collectives between the ranks),
-#: and the daemons and the endings starved until the load's deadline (3 of 4 runs); with
-#: 20 ms, the load average stayed at 14-16 and no load stalled in 40 requests.
+#: and the daemons and the endings starved: some request's load stalled until its deadline
+#: in each of 5 runs; with 20 ms, the load average stayed at 10-16 and none of 42 requests
+#: did (the slowest took 19 s).
 IDLE_WAIT_S = 0.02
 
 
