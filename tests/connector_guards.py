@@ -23,6 +23,7 @@ from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
+from kvxfer.client.integrations.vllm.stats import IntervalStats
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 
 LAYOUT = BlockLayout(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
@@ -43,6 +44,7 @@ def connector(unguarded: bool) -> KvxferConnector:
     shell._worker = WorkerSide(SETTINGS, LAYOUT, "D")
     shell._manager = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2],))
     shell.failures = Counter()
+    shell._interval = IntervalStats()
     if unguarded:
         shell._guarded = lambda what, call, fallback: call()
     return shell
@@ -71,11 +73,13 @@ def main() -> None:
         "save_kv_layer": ("worker", "save_kv_layer", lambda c: c.save_kv_layer("layers.0.attn", None, None)),
         "wait_for_save": ("worker", "wait_for_save", lambda c: c.wait_for_save()),
         "get_transfer_results": ("worker", "get_finished", lambda c: c.get_transfer_results(set())),
+        "get_kv_connector_stats": ("interval", "take", lambda c: c.get_kv_connector_stats()),
     }
     report = {}
     for entry, (half, method, call) in calls.items():
         shell = connector(unguarded)
-        setattr(shell._scheduler if half == "scheduler" else shell._worker, method, broken(method))
+        owner = {"scheduler": shell._scheduler, "worker": shell._worker, "interval": shell._interval}
+        setattr(owner[half], method, broken(method))
         try:
             answer, raised = call(shell), False
         except RuntimeError:

@@ -198,6 +198,7 @@ def check_shared_prefix(run: dict[str, Any]) -> None:
     tokens = [a["prompt_tokens"] for a in shared["answers"]]
     ranks = run["tp"]
     assert first["local_cache_hit"] == 0 and first["load_pages"] == ranks * math.ceil(tokens[0] / 32)
+    assert first["local_compute"] == second["local_compute"] == 0
     hit_blocks = second["local_cache_hit"] // 32
     assert hit_blocks >= 4 and second["local_cache_hit"] % 32 == 0
     assert second["load_pages"] == ranks * (math.ceil(tokens[1] / 32) - hit_blocks)
@@ -326,8 +327,10 @@ def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
 def test_when_one_rank_fails_the_request_fails_on_every_rank_at_once(run_tp2) -> None:
     """Rank 1's load is refused (a wrong capability for it alone) while rank 0's stalls (the
     decode daemon never asks for it): rank 1 aborts rank 0's transfer, so the request fails
-    (policy ``fail``) before the 30 s deadline of rank 0's transfer (without the abort: at
-    the worker's 40 s, deadline and grace; it took 0.3 s alone on this machine)."""
+    (policy ``fail``) before the 30 s deadline of rank 0's transfer (0.3 s on an otherwise
+    idle machine, 41 s with the abort switched off). The bound is loose because two TP 2
+    engines on 2 cores still slowed some loads to 9-19 s here: the abort is proven by tp0's
+    state and reason."""
     fail = run_tp2["fail_policy"]
     assert "HTTP 500" in fail["one_rank_failed"].get("error", ""), fail["one_rank_failed"]
     assert fail["one_rank_failed_s"] < 25, fail["one_rank_failed_s"]

@@ -365,4 +365,3 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
         os.kill(pre.pid, signal.SIGCONT)
         for worker in workers:
             worker.shutdown()
-

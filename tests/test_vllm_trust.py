@@ -29,7 +29,7 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
-from kvxfer.client.integrations.vllm.worker import IDLE_WAIT_S, WorkerSide
+from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.status import LeaseUse
 from kvxfer.wire.codec import lease_use_to_proto
 
@@ -193,7 +193,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
 @pytest.mark.parametrize("idle", [True, False], ids=["idle-step", "busy-step"])
 def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatch,
                                                              idle: bool) -> None:
-    """A step that computes no token, with a load in flight, waits up to IDLE_WAIT_S for
+    """A step that computes no token, with a load in flight, waits up to ``idle_wait_s`` for
     endings (instead of spinning a core the daemons need); a step that computes tokens
     never waits. The prefill daemon is stopped (SIGSTOP) so that the pull stays in flight."""
     waits: list[float] = []
@@ -216,7 +216,7 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
             assert engines.work_d.get_finished() == set()
     finally:
         os.kill(engines.pre.pid, signal.SIGCONT)
-    assert waits == ([IDLE_WAIT_S] * 3 if idle else [])
+    assert waits == ([engines.work_d._settings.idle_wait_s] * 3 if idle else [])
 
 
 def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:

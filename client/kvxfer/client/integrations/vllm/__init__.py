@@ -7,7 +7,9 @@
 - ``layout``: the block layout both engines must share, and the daemon pool that holds it;
 - ``settings``: the connector's ``kv_connector_extra_config``;
 - ``endings``: lease releases and transfer aborts that never raise into vLLM;
-- ``stats``: the per-transfer records of ``stats_file`` (a load's timeline);
+- ``stats``: what the connector measures: each interval's figures, and the per-transfer
+  records of ``stats_file`` (a debugging aid);
+- ``metrics``: those figures in vLLM's own metrics (its log line and ``/metrics``; imports vLLM);
 - ``proxy``: an OpenAI-compatible proxy that sends prefill, then decode;
 - ``deploy``: ``kvxfer vllm``, daemons, engines and the proxy on one machine;
 - ``tiny_model``: a small random Llama to test with, when no model can be downloaded.

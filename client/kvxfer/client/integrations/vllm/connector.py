@@ -45,7 +45,7 @@ from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, Kvxfer
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
-from kvxfer.client.integrations.vllm.stats import IntervalStats
+from kvxfer.client.integrations.vllm.stats import IntervalStats, empty_figures, merge
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
 
@@ -122,7 +122,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 settings, layout, engine_id, producer=producer,
                 consumer=bool(transfer.is_kv_consumer),
                 client=KvxferClient(settings.daemon, name=f"vllm {engine_id} scheduler")
-                if producer else None)
+                if producer else None, interval=self._interval)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -235,12 +235,16 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This half's figures since vLLM last asked (None when nothing happened)."""
-        figures = self._interval.take()
-        return KvxferConnectorStats(data=figures) if figures is not None else None
+        def take() -> KVConnectorStats | None:
+            figures = self._interval.take()
+            return KvxferConnectorStats(data=figures) if figures is not None else None
+        return self._guarded("get_kv_connector_stats", take, lambda: None)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return KvxferConnectorStats(data=data or {})
+        """The figures vLLM carried, in a copy of their own (vLLM hands the same dict to
+        its Prometheus logger after its log line sums into this one)."""
+        return KvxferConnectorStats(data=merge(empty_figures(), data or {}))
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: VllmConfig,

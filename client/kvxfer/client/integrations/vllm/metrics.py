@@ -8,11 +8,15 @@ it through ``KvxferPromMetrics.observe``. The series, each with vLLM's ``engine`
 
 - ``vllm:kvxfer_load_time_seconds``: a load, from the worker starting it to its KV in the
   engine's blocks; ``vllm:kvxfer_load_bytes``, ``vllm:kvxfer_load_pages``;
-- ``vllm:kvxfer_save_time_seconds``: a save's copy-out and offer; ``vllm:kvxfer_save_bytes``;
+- ``vllm:kvxfer_save_time_seconds``: a save's copy-out and offer; ``vllm:kvxfer_save_bytes``,
+  ``vllm:kvxfer_save_pages``;
 - ``vllm:kvxfer_failed_loads_total{reason}``: loads reported failed to vLLM (its load
   errors, recomputed or failed by ``kv_load_failure_policy``), by reason
   (``worker.WorkerSide.load_failures``);
 - ``vllm:kvxfer_failed_saves_total{reason}``: saves not offered, by reason;
+- ``vllm:kvxfer_refused_params_total{reason}``: requests whose ``kv_transfer_params`` were
+  refused before any block was allocated (malformed, another version or block layout):
+  computed here like an ordinary prompt (``SchedulerSide.refusals``);
 - ``vllm:kvxfer_connector_errors_total{entry_point}``: connector calls that raised and
   were answered safely (``KvxferConnector.failures``).
 """
@@ -86,6 +90,7 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
              "Seconds of a KV save: copying the blocks into the daemon's pages and offering them.",
              TIME_BUCKETS),
             ("save_bytes", "save_bytes", "Bytes of a KV save.", BYTE_BUCKETS),
+            ("save_pages", "save_pages", "Daemon pages of a KV save.", PAGE_BUCKETS),
         ):
             histogram = self._histogram_cls(name=f"vllm:kvxfer_{name}", documentation=documentation,
                                             buckets=buckets, labelnames=labelnames)
@@ -100,6 +105,9 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                  "kv_load_failure_policy), by reason."),
                 ("failed_saves", "failed_saves", "reason",
                  "KV saves not offered to a decode engine, by reason."),
+                ("refused_params", "refused_params", "reason",
+                 "Requests whose kv_transfer_params were refused before any block was "
+                 "allocated (computed like an ordinary prompt), by reason."),
                 ("errors", "connector_errors", "entry_point",
                  "kvxfer connector calls that raised and were answered safely, by entry point."),
             )

@@ -181,24 +181,25 @@ class Load:
     """Decode: each rank pulls the pages of its transfer of ``transfer_id`` (``num_pages``
     pages) from ``first_page`` on (earlier pages are a local prefix-cache hit: they do not
     cross the wire) from ``peer``, with its rank's capability and the request's
-    ``prompt_digest``, then copies the ``i``-th page pulled into ``block_ids[i]``. A load with ``refused`` set fails at once, moving nothing. ``planned_unix``:
-    when the scheduler planned it (where its timeline in the stats starts)."""
+    ``prompt_digest``, then copies the ``i``-th page pulled into ``block_ids[i]``. A load
+    with ``refused`` set fails at once, moving nothing. ``planned_unix``: when the scheduler
+    planned it (where its timeline in the stats starts)."""
 
     req_id: str
     transfer_id: str
     peer: str
     num_pages: int
     first_page: int
-
-    @property
-    def pulled_pages(self) -> int:
-        """The pages that cross the wire."""
-        return self.num_pages - self.first_page
     block_ids: tuple[int, ...]
     refused: str = ""
     capabilities: tuple[str, ...] = field(default=(), repr=False)
     prompt_digest: bytes = b""
     planned_unix: float = 0.0
+
+    @property
+    def pulled_pages(self) -> int:
+        """The pages that cross the wire."""
+        return self.num_pages - self.first_page
 
 
 @dataclass

@@ -50,6 +50,7 @@ from kvxfer.client.integrations.vllm.protocol import (
     wants_verify,
 )
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
+from kvxfer.client.integrations.vllm.stats import IntervalStats
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import KvxferError
 from kvxfer.status import LeaseInfo
@@ -64,8 +65,11 @@ class SchedulerSide:
     """Plans saves (prefill) and loads (decode) step by step."""
 
     def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str, *,
-                 producer: bool, consumer: bool, client: KvxferClient | None) -> None:
+                 producer: bool, consumer: bool, client: KvxferClient | None,
+                 interval: IntervalStats | None = None) -> None:
         self._settings = settings
+        #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
+        self.interval = interval or IntervalStats()
         self._layout = layout
         self._engine_id = engine_id
         self._producer, self._consumer = producer, consumer
@@ -134,6 +138,7 @@ class SchedulerSide:
 
     def _refuse(self, request: Any, refusal: Refusal) -> None:
         self.refusals[refusal.reason] += 1
+        self.interval.count("refused_params", refusal.reason)
         request.kv_transfer_params["do_remote_prefill"] = False  # refused once, not every step
         log.warning("request %s: not loading its KV (params %s: %s); computing its prompt here",
                     request.request_id, refusal.reason, refusal.detail)

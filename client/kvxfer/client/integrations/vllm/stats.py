@@ -57,8 +57,9 @@ Figures: TypeAlias = dict[str, Any]
 #: Per load or save: seconds (the worker starting a load to its KV in the engine's blocks;
 #: a save's copy-out and offer), bytes and pages.
 LISTS = ("load_seconds", "load_bytes", "load_pages", "save_seconds", "save_bytes", "save_pages")
-#: Counts by key: failed loads and saves by reason, connector entry points that raised.
-COUNTS = ("failed_loads", "failed_saves", "errors")
+#: Counts by key: failed loads and saves by reason, params refused before any load (by
+#: reason), connector entry points that raised.
+COUNTS = ("failed_loads", "failed_saves", "refused_params", "errors")
 
 
 def empty_figures() -> Figures:

@@ -61,15 +61,6 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 
 #: How long past its deadline a load may stay unreported before the worker fails it itself.
 EXPIRY_GRACE_S = 10.0
-#: How long a step that computes nothing waits for its loads' endings (it returns as soon as
-#: one arrives). Such a step would otherwise return at once and vLLM would step again,
-#: spinning the cores that the daemons, moving those very loads, need; a request arriving
-#: meanwhile waits at most this long. With 2 ms, two TP 2 engines on 2 cores ran at a load
-#: average of 40-60 while a load was pending (each step's collectives between the ranks),
-#: and the daemons and the endings starved: some request's load stalled until its deadline
-#: in each of 5 runs; with 20 ms, the load average stayed at 10-16 and none of 42 requests
-#: did (the slowest took 19 s).
-IDLE_WAIT_S = 0.02
 
 
 @dataclass
@@ -319,7 +310,7 @@ class WorkerSide:
         if self._feed is None:
             return
         if self._plan.idle and self._pending:
-            self._feed.wait(IDLE_WAIT_S)
+            self._feed.wait(self._settings.idle_wait_s)
         batches, error = self._feed.take()
         if error is not None:
             log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
@@ -410,11 +401,14 @@ class WorkerSide:
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
         """Report ``load`` failed; with tensor parallelism, abort the other ranks' transfers
-        of it too (vLLM fails the request once any rank reports failure: theirs must not
-        keep it waiting until their deadline). An abort is not passed on again."""
+        of it too: vLLM reports a request's load (failed or not) only once every rank has
+        reported it, so a sibling's stalled transfer would hold the failed request until
+        its deadline. Not for an abort (not passed on again), a refusal (no transfer
+        exists) or a transfer id already being loaded (the transfers are another
+        request's)."""
         self.load_failures[reason] += 1
         self.interval.count("failed_loads", reason)
-        if reason not in ("REFUSED", TransferAbortedError.reason):
+        if reason not in ("REFUSED", TransferAbortedError.reason, TransferExistsError.reason):
             for rank in range(self._layout.tp_size):
                 if rank != self._rank:
                     self._endings.abort_soon(
