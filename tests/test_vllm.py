@@ -281,7 +281,8 @@ def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run
 def test_generated_params_through_the_decode_engine_meet_the_oracle(run) -> None:
     """A sample of test_vllm_params' generated params (no load predicted: a load needs a
     real offer), each straight to the decode engine: the plain engine's answer every time,
-    and the log's refusals by reason are the hand-written cases' plus the oracle's."""
+    and the log's refusals by reason are the hand-written cases' plus the oracle's, as
+    are the decode engine's ``vllm:kvxfer_refused_params_total`` by reason."""
     trust, base = run["trust"], run["baseline_trust"]
     sampled = trust["sampled"]
     assert len(sampled) == SAMPLED
@@ -290,8 +291,11 @@ def test_generated_params_through_the_decode_engine_meet_the_oracle(run) -> None
     assert predicted["malformed"] and predicted["layout"], predicted  # the sample has both
     hand_written = {"malformed": 3, "version": 1, "layout": 0}
     log = trust["decode_log"]
-    assert {reason: log.count(f"(params {reason}:") for reason in hand_written} == {
-        reason: count + predicted[reason] for reason, count in hand_written.items()}
+    want = {reason: count + predicted[reason] for reason, count in hand_written.items()}
+    assert {reason: log.count(f"(params {reason}:") for reason in hand_written} == want
+    metrics = trust["engine_metrics"]
+    assert {reason: total(metrics, "vllm:kvxfer_refused_params_total", reason=reason)
+            for reason in hand_written} == want
 
 
 def test_forged_or_replayed_params_never_change_an_answer(run) -> None:

@@ -162,6 +162,7 @@ def main() -> None:
                 sample = json.loads(Path(args.params_sample).read_text()) if args.params_sample else []
                 out["trust"] = vllm_trust_phase.run(d, model, sample)
                 out["trust"]["leased_pages_at_end"] = leased_pages_settled(d)
+                out["trust"]["engine_metrics"] = d.decode.samples("vllm:kvxfer_")
                 assert d.decode is not None
                 out["trust"]["decode_log"] = "\n".join(  # all but the request logger's lines
                     line for line in d.decode.log().splitlines() if "request_logger" not in line)
