@@ -102,3 +102,14 @@ def test_split_extents_caps_size_and_keeps_bytes(sizes, limit) -> None:
 def test_page_run_fields_must_be_integers() -> None:
     with pytest.raises(InvalidArgumentError, match="start"):
         PageRun("3", 1)  # type: ignore[arg-type]
+
+
+@given(pairs=page_runs_pairs(num_pages=64), skip=st.integers(-2, 80))
+def test_after_drops_exactly_the_first_pages_or_refuses_naming_the_count(pairs, skip) -> None:
+    runs = PageRuns.of(pairs)
+    if 0 <= skip < runs.num_pages:
+        assert list(runs.after(skip).pages()) == list(runs.pages())[skip:]
+    else:
+        with pytest.raises(InvalidArgumentError, match=f"skip_pages={skip}, but there are "
+                                                       f"{runs.num_pages} pages"):
+            runs.after(skip)
