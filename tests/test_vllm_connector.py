@@ -77,18 +77,38 @@ def pair(spawn):
     return spawn("prefill", [POOL]), spawn("decode", [POOL])
 
 
+@dataclass
+class Halves:
+    """A prefill and a decode engine's connector halves over two daemons, with their KV."""
+
+    sched_p: SchedulerSide
+    sched_d: SchedulerSide
+    work_p: WorkerSide
+    work_d: WorkerSide
+    kv_p: dict[str, torch.Tensor]
+    kv_d: dict[str, torch.Tensor]
+
+
+def halves(pre, dec, p: KvxferClient, seed: int) -> Halves:
+    """Both engines' halves (TP 1), their KV caches seeded ``seed`` and ``seed + 1``."""
+    h = Halves(SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
+                             consumer=False, client=p),
+               SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
+                             consumer=True, client=None),
+               WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
+               WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
+               kv_caches(seed), kv_caches(seed + 1))
+    h.work_p.register_kv_caches(h.kv_p)
+    h.work_d.register_kv_caches(h.kv_d)
+    return h
+
+
 def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> None:
     pre, dec = pair
     with KvxferClient(pre.worker_address) as p:
-        sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
-                                consumer=False, client=p)
-        sched_d = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
-                                consumer=True, client=None)
-        work_p = WorkerSide(settings(pre.worker_address), LAYOUT, "P")
-        work_d = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
-        kv_p, kv_d = kv_caches(1), kv_caches(2)
-        work_p.register_kv_caches(kv_p)
-        work_d.register_kv_caches(kv_d)
+        h = halves(pre, dec, p, seed=1)
+        sched_p, sched_d, work_p, work_d, kv_p, kv_d = (h.sched_p, h.sched_d, h.work_p, h.work_d,
+                                                        h.kv_p, h.kv_d)
         decode_before = {k: v.clone() for k, v in kv_d.items()}
 
         # Prefill: a 70-token prompt in blocks 3, 7, 9 is finished this step.
@@ -131,15 +151,9 @@ def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) ->
     the interval's figures count the 2 pages."""
     pre, dec = pair
     with KvxferClient(pre.worker_address) as p:
-        sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
-                                consumer=False, client=p)
-        sched_d = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
-                                consumer=True, client=None)
-        work_p = WorkerSide(settings(pre.worker_address), LAYOUT, "P")
-        work_d = WorkerSide(settings(dec.worker_address), LAYOUT, "D")
-        kv_p, kv_d = kv_caches(3), kv_caches(4)
-        work_p.register_kv_caches(kv_p)
-        work_d.register_kv_caches(kv_d)
+        h = halves(pre, dec, p, seed=3)
+        sched_p, sched_d, work_p, work_d, kv_p, kv_d = (h.sched_p, h.sched_d, h.work_p, h.work_d,
+                                                        h.kv_p, h.kv_d)
         decode_before = {k: v.clone() for k, v in kv_d.items()}
         req = Request("r2", 70, {"do_remote_decode": True})
         sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
