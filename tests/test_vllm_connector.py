@@ -78,9 +78,11 @@ def pair(spawn):
 
 
 @dataclass
-class Halves:
-    """A prefill and a decode engine's connector halves over two daemons, with their KV."""
+class Engines:
+    """A prefill and a decode engine's connector halves, each on its own daemon."""
 
+    pre: Any
+    dec: Any
     sched_p: SchedulerSide
     sched_d: SchedulerSide
     work_p: WorkerSide
@@ -88,25 +90,62 @@ class Halves:
     kv_p: dict[str, torch.Tensor]
     kv_d: dict[str, torch.Tensor]
 
+    def prefill(self, req_id: str, src: list[int], seed: int = 0) -> dict[str, Any]:
+        """Prefill a prompt of ``len(src)`` blocks (token ids shifted by ``seed``) in blocks
+        ``src`` and save it: the params its response carries."""
+        tokens = 32 * len(src)
+        req = Request(req_id, tokens, {"do_remote_decode": True}, seed=seed)
+        self.sched_p.update_state_after_alloc(req, src, 0)
+        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: src))
+        for layer, kv in self.kv_p.items():
+            self.work_p.save_kv_layer(layer, kv)
+        self.work_p.wait_for_save()
+        params = self.sched_p.request_finished(req)
+        assert params is not None, "the prefill side offered nothing"
+        return params
 
-def halves(pre, dec, p: KvxferClient, seed: int) -> Halves:
-    """Both engines' halves (TP 1), their KV caches seeded ``seed`` and ``seed + 1``."""
-    h = Halves(SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
-                             consumer=False, client=p),
-               SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False,
-                             consumer=True, client=None),
-               WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
-               WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
-               kv_caches(seed), kv_caches(seed + 1))
-    h.work_p.register_kv_caches(h.kv_p)
-    h.work_d.register_kv_caches(h.kv_d)
-    return h
+    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
+        """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
+        ``dst``: whether every layer's blocks arrived equal, and the loads reported failed."""
+        tokens = 32 * len(src)
+        params = self.prefill(f"{name}-p", src)
+        dreq = Request(f"{name}-d", tokens, params)
+        assert self.sched_d.get_num_new_matched_tokens(dreq, 0) == (tokens, True)
+        self.sched_d.update_state_after_alloc(dreq, dst, tokens)
+        self.work_d.bind(self.sched_d.build_plan({}, lambda _: []))
+        self.work_d.start_load_kv()
+        wait_finished(self.work_d, dreq.request_id, timeout_s=30)
+        errors = self.work_d.take_failed()
+        equal = all(torch.equal(self.kv_d[k][dst], self.kv_p[k][src]) for k in self.kv_p)
+        return equal, errors
+
+    def fresh_kv(self, seed: int) -> None:
+        """New prefill KV (so that what arrived cannot be left over from earlier)."""
+        for layer, kv in kv_caches(seed).items():
+            self.kv_p[layer].copy_(kv)
+
+
+def engines_on(pre: Any, dec: Any, client: KvxferClient, seed: int = 1) -> Engines:
+    """Both engines' halves (TP 1) on daemons ``pre`` and ``dec`` (``client``: the prefill
+    scheduler's), with KV caches seeded ``seed`` and ``seed + 1``, registered."""
+    parts = Engines(
+        pre, dec,
+        SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True, consumer=False,
+                      client=client),
+        SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+                      client=None),
+        WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
+        WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
+        kv_caches(seed), kv_caches(seed + 1))
+    parts.work_p.register_kv_caches(parts.kv_p)
+    parts.work_d.register_kv_caches(parts.kv_d)
+    return parts
 
 
 def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> None:
     pre, dec = pair
     with KvxferClient(pre.worker_address) as p:
-        h = halves(pre, dec, p, seed=1)
+        h = engines_on(pre, dec, p, seed=1)
         sched_p, sched_d, work_p, work_d, kv_p, kv_d = (h.sched_p, h.sched_d, h.work_p, h.work_d,
                                                         h.kv_p, h.kv_d)
         decode_before = {k: v.clone() for k, v in kv_d.items()}
@@ -151,36 +190,26 @@ def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) ->
     the interval's figures count the 2 pages."""
     pre, dec = pair
     with KvxferClient(pre.worker_address) as p:
-        h = halves(pre, dec, p, seed=3)
-        sched_p, sched_d, work_p, work_d, kv_p, kv_d = (h.sched_p, h.sched_d, h.work_p, h.work_d,
-                                                        h.kv_p, h.kv_d)
-        decode_before = {k: v.clone() for k, v in kv_d.items()}
-        req = Request("r2", 70, {"do_remote_decode": True})
-        sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
-        work_p.bind(sched_p.build_plan({"r2": (0, 70)}, lambda _: [3, 7, 9]))
-        for name, kv in kv_p.items():
-            work_p.save_kv_layer(name, kv)
-        work_p.wait_for_save()
-        params = sched_p.request_finished(req)
-
-        dreq = Request("d2", 70, params)
-        assert sched_d.get_num_new_matched_tokens(dreq, 32) == (38, True)
-        sched_d.update_state_after_alloc(dreq, [1, 2, 5], 38)
-        work_d.bind(sched_d.build_plan({}, lambda _: []))
-        work_d.start_load_kv()
-        wait_finished(work_d, "d2")
-        assert work_d.take_failed() == set()
-        for name in kv_d:
+        h = engines_on(pre, dec, p, seed=3)
+        decode_before = {k: v.clone() for k, v in h.kv_d.items()}
+        dreq = Request("d2", 96, h.prefill("r2", [3, 7, 9]))
+        assert h.sched_d.get_num_new_matched_tokens(dreq, 32) == (64, True)
+        h.sched_d.update_state_after_alloc(dreq, [1, 2, 5], 64)
+        h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))
+        h.work_d.start_load_kv()
+        wait_finished(h.work_d, "d2")
+        assert h.work_d.take_failed() == set()
+        for name in h.kv_d:
             expected = decode_before[name].clone()
-            expected[[2, 5]] = kv_p[name][[7, 9]]
-            assert torch.equal(kv_d[name], expected), name
+            expected[[2, 5]] = h.kv_p[name][[7, 9]]
+            assert torch.equal(h.kv_d[name], expected), name
         moved = [i for i in p.transfers() if i.transfer_id.endswith("/r2")]
         assert [i.pages for i in moved] == [2] and moved[0].ok
-        figures = work_d.interval.take()
+        figures = h.work_d.interval.take()
         assert figures is not None and figures["load_pages"] == [2]
         assert figures["load_bytes"] == [2 * LAYOUT.num_layers * LAYOUT.block_bytes]
-        work_p.shutdown()
-        work_d.shutdown()
+        h.work_p.shutdown()
+        h.work_d.shutdown()
 
 
 def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:

@@ -14,7 +14,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,80 +22,28 @@ import torch
 from hypothesis import given
 from hypothesis import settings as examples
 from hypothesis import strategies as st
-from test_vllm_connector import LAYOUT, POOL, Request, kv_caches, settings, wait_finished
+from test_vllm_connector import (
+    LAYOUT,
+    POOL,
+    Engines,
+    Request,
+    engines_on,
+    wait_finished,
+)
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
-from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.status import LeaseUse
 from kvxfer.wire.codec import lease_use_to_proto
-
-
-@dataclass
-class Engines:
-    """A prefill and a decode engine's connector halves, each on its own daemon."""
-
-    pre: Any
-    dec: Any
-    sched_p: SchedulerSide
-    sched_d: SchedulerSide
-    work_p: WorkerSide
-    work_d: WorkerSide
-    kv_p: dict[str, torch.Tensor]
-    kv_d: dict[str, torch.Tensor]
-
-    def prefill(self, req_id: str, src: list[int], seed: int = 0) -> dict[str, Any]:
-        """Prefill a prompt of ``len(src)`` blocks (token ids shifted by ``seed``) in blocks
-        ``src`` and save it: the params its response carries."""
-        tokens = 32 * len(src)
-        req = Request(req_id, tokens, {"do_remote_decode": True}, seed=seed)
-        self.sched_p.update_state_after_alloc(req, src, 0)
-        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: src))
-        for layer, kv in self.kv_p.items():
-            self.work_p.save_kv_layer(layer, kv)
-        self.work_p.wait_for_save()
-        params = self.sched_p.request_finished(req)
-        assert params is not None, "the prefill side offered nothing"
-        return params
-
-    def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
-        """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
-        ``dst``: whether every layer's blocks arrived equal, and the loads reported failed."""
-        tokens = 32 * len(src)
-        params = self.prefill(f"{name}-p", src)
-        dreq = Request(f"{name}-d", tokens, params)
-        assert self.sched_d.get_num_new_matched_tokens(dreq, 0) == (tokens, True)
-        self.sched_d.update_state_after_alloc(dreq, dst, tokens)
-        self.work_d.bind(self.sched_d.build_plan({}, lambda _: []))
-        self.work_d.start_load_kv()
-        wait_finished(self.work_d, dreq.request_id, timeout_s=30)
-        errors = self.work_d.take_failed()
-        equal = all(torch.equal(self.kv_d[k][dst], self.kv_p[k][src]) for k in self.kv_p)
-        return equal, errors
-
-    def fresh_kv(self, seed: int) -> None:
-        """New prefill KV (so that what arrived cannot be left over from earlier)."""
-        for layer, kv in kv_caches(seed).items():
-            self.kv_p[layer].copy_(kv)
 
 
 @pytest.fixture
 def engines(spawn):
     pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
     client = KvxferClient(pre.worker_address)
-    parts = Engines(
-        pre, dec,
-        SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True, consumer=False,
-                      client=client),
-        SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
-                      client=None),
-        WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
-        WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
-        kv_caches(1), kv_caches(2))
-    parts.work_p.register_kv_caches(parts.kv_p)
-    parts.work_d.register_kv_caches(parts.kv_d)
+    parts = engines_on(pre, dec, client)
     yield parts
     parts.work_p.shutdown()
     parts.work_d.shutdown()
