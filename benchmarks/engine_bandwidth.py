@@ -40,7 +40,8 @@ WINDOW_BYTES = 64 << 20  # the daemon's default window
 
 def shm_buffer(nbytes: int, shm_dir: str) -> np.ndarray:
     """A populated shared mapping of an unlinked file in ``shm_dir``, as a kvxfer arena."""
-    with tempfile.NamedTemporaryFile(dir=shm_dir, prefix="kvxfer-bench-") as f:
+    # Not "kvxfer-": a daemon starting meanwhile sweeps unlocked /dev/shm/kvxfer-* files.
+    with tempfile.NamedTemporaryFile(dir=shm_dir, prefix="bench-engine-") as f:
         os.posix_fallocate(f.fileno(), 0, nbytes)
         mapping = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     return np.frombuffer(mapping, dtype=np.uint8)

@@ -61,7 +61,8 @@ class Buffer:
 
     def __init__(self, nbytes: int, role: str) -> None:
         if MEMORY == "pool":
-            with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="kvxfer-bench-") as f:
+            # Not "kvxfer-": a daemon starting meanwhile sweeps unlocked /dev/shm/kvxfer-* files.
+            with tempfile.NamedTemporaryFile(dir=SHM_DIR, prefix="bench-copy-") as f:
                 os.posix_fallocate(f.fileno(), 0, nbytes)
                 self._map = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         else:
