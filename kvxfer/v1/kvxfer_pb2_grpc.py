@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class KvxferStub:
-    """Missing associated documentation comment in .proto file."""
+    """For inference workers on the daemon's node (a unix socket by default).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -127,46 +128,55 @@ class KvxferStub:
 
 
 class KvxferServicer:
-    """Missing associated documentation comment in .proto file."""
+    """For inference workers on the daemon's node (a unix socket by default).
+    """
 
     def ListPools(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every pool with its descriptor, memory handle and leased page count.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DescribePool(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """One pool's descriptor and memory handle: what a worker maps and builds its views from.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DescribePages(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The byte extents of page runs in a pool's buffer, one per stretch of contiguous pages.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Expect(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Receiver side of a push: register where transfer_id's pages will land, and mint the
+        capability the sender must present.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Sender side of a push: send pages to the decode daemon that expects transfer_id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Offer(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Sender side of a pull: hold pages for a peer to pull, behind a single-use capability.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Receiver side of a pull: fetch an offered transfer from the prefill daemon into pages here.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -180,61 +190,71 @@ class KvxferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Wait(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A transfer's status once it is final, or when the call's timeout passes.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListTransfers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """In-flight and recently ended transfers (kvxfer transfers).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Completions(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every transfer that ended since a cursor, for engines that poll once per step.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Allocate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Lease free pages of a pool, so that workers sharing the daemon never pick the same ones.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End a lease now: its pages are free again.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Renew(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Extend a lease from now.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListLeases(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Every live lease (kvxfer pools --leases).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Info(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The daemon's version, peer address and memory epoch.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListPeers(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The daemon's sessions with peer daemons, with their data plane (kvxfer status).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -341,7 +361,8 @@ def add_KvxferServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Kvxfer:
-    """Missing associated documentation comment in .proto file."""
+    """For inference workers on the daemon's node (a unix socket by default).
+    """
 
     @staticmethod
     def ListPools(request,
@@ -831,7 +852,9 @@ class Kvxfer:
 
 
 class KvxferPeerStub:
-    """Missing associated documentation comment in .proto file."""
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -872,40 +895,48 @@ class KvxferPeerStub:
 
 
 class KvxferPeerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
 
     def Handshake(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Open a session: versions, identities, UCX addresses and lanes, the data plane.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request_iterator, context):
-        """Missing associated documentation comment in .proto file."""
+        """Heartbeats both ways for a session's lifetime (see WatchRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Claim(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A sender asks where an expected or pulled transfer's pages go (see ClaimRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Commit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """With verify: the sender has sent every chunk; answers once they arrived and checked.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RequestPush(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def AbortTransfer(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """End a transfer on the other daemon too (see AbortTransferRequest).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -952,7 +983,9 @@ def add_KvxferPeerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class KvxferPeer:
-    """Missing associated documentation comment in .proto file."""
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
 
     @staticmethod
     def Handshake(request,

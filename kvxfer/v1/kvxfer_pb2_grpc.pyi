@@ -35,106 +35,159 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class KvxferStub:
+    """For inference workers on the daemon's node (a unix socket by default)."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvxferAsyncStub: ...
     ListPools: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPoolsRequest, _kvxfer_pb2.ListPoolsResponse]
+    """Every pool with its descriptor, memory handle and leased page count."""
     DescribePool: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DescribePoolRequest, _kvxfer_pb2.PoolInfo]
+    """One pool's descriptor and memory handle: what a worker maps and builds its views from."""
     DescribePages: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DescribePagesRequest, _kvxfer_pb2.DescribePagesResponse]
+    """The byte extents of page runs in a pool's buffer, one per stretch of contiguous pages."""
     Expect: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ExpectRequest, _kvxfer_pb2.TransferStatus]
+    """Receiver side of a push: register where transfer_id's pages will land, and mint the
+    capability the sender must present.
+    """
     Push: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.PushRequest, _kvxfer_pb2.TransferStatus]
+    """Sender side of a push: send pages to the decode daemon that expects transfer_id."""
     Offer: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.OfferRequest, _kvxfer_pb2.TransferStatus]
+    """Sender side of a pull: hold pages for a peer to pull, behind a single-use capability."""
     Pull: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.PullRequest, _kvxfer_pb2.TransferStatus]
+    """Receiver side of a pull: fetch an offered transfer from the prefill daemon into pages here."""
     LeasePull: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.LeasePullRequest, _kvxfer_pb2.LeasePullResponse]
     """Lease pages and pull into them in one call, one round trip instead of a decode
     worker's Allocate and Pull: see LeasePullRequest.
     """
     Wait: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]
+    """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]
+    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]
+    """In-flight and recently ended transfers (kvxfer transfers)."""
     Completions: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]
+    """Every transfer that ended since a cursor, for engines that poll once per step."""
     Allocate: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AllocateRequest, _kvxfer_pb2.Lease]
+    """Lease free pages of a pool, so that workers sharing the daemon never pick the same ones."""
     Release: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ReleaseRequest, _kvxfer_pb2.ReleaseResponse]
+    """End a lease now: its pages are free again."""
     Renew: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]
+    """Extend a lease from now."""
     ListLeases: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]
+    """Every live lease (kvxfer pools --leases)."""
     Info: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]
+    """The daemon's version, peer address and memory epoch."""
     ListPeers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]
+    """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
 
 @_typing.type_check_only
 class KvxferAsyncStub(KvxferStub):
+    """For inference workers on the daemon's node (a unix socket by default)."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     ListPools: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPoolsRequest, _kvxfer_pb2.ListPoolsResponse]  # type: ignore[assignment]
+    """Every pool with its descriptor, memory handle and leased page count."""
     DescribePool: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DescribePoolRequest, _kvxfer_pb2.PoolInfo]  # type: ignore[assignment]
+    """One pool's descriptor and memory handle: what a worker maps and builds its views from."""
     DescribePages: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DescribePagesRequest, _kvxfer_pb2.DescribePagesResponse]  # type: ignore[assignment]
+    """The byte extents of page runs in a pool's buffer, one per stretch of contiguous pages."""
     Expect: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ExpectRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """Receiver side of a push: register where transfer_id's pages will land, and mint the
+    capability the sender must present.
+    """
     Push: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.PushRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """Sender side of a push: send pages to the decode daemon that expects transfer_id."""
     Offer: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.OfferRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """Sender side of a pull: hold pages for a peer to pull, behind a single-use capability."""
     Pull: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.PullRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """Receiver side of a pull: fetch an offered transfer from the prefill daemon into pages here."""
     LeasePull: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.LeasePullRequest, _kvxfer_pb2.LeasePullResponse]  # type: ignore[assignment]
     """Lease pages and pull into them in one call, one round trip instead of a decode
     worker's Allocate and Pull: see LeasePullRequest.
     """
     Wait: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
     ListTransfers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]  # type: ignore[assignment]
+    """In-flight and recently ended transfers (kvxfer transfers)."""
     Completions: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]  # type: ignore[assignment]
+    """Every transfer that ended since a cursor, for engines that poll once per step."""
     Allocate: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AllocateRequest, _kvxfer_pb2.Lease]  # type: ignore[assignment]
+    """Lease free pages of a pool, so that workers sharing the daemon never pick the same ones."""
     Release: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ReleaseRequest, _kvxfer_pb2.ReleaseResponse]  # type: ignore[assignment]
+    """End a lease now: its pages are free again."""
     Renew: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.RenewRequest, _kvxfer_pb2.Lease]  # type: ignore[assignment]
+    """Extend a lease from now."""
     ListLeases: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListLeasesRequest, _kvxfer_pb2.ListLeasesResponse]  # type: ignore[assignment]
+    """Every live lease (kvxfer pools --leases)."""
     Info: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DaemonInfoRequest, _kvxfer_pb2.DaemonInfo]  # type: ignore[assignment]
+    """The daemon's version, peer address and memory epoch."""
     ListPeers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]  # type: ignore[assignment]
+    """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
 
 class KvxferServicer(metaclass=_abc_1.ABCMeta):
+    """For inference workers on the daemon's node (a unix socket by default)."""
+
     @_abc_1.abstractmethod
     def ListPools(
         self,
         request: _kvxfer_pb2.ListPoolsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ListPoolsResponse, _abc.Awaitable[_kvxfer_pb2.ListPoolsResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ListPoolsResponse, _abc.Awaitable[_kvxfer_pb2.ListPoolsResponse]]:
+        """Every pool with its descriptor, memory handle and leased page count."""
 
     @_abc_1.abstractmethod
     def DescribePool(
         self,
         request: _kvxfer_pb2.DescribePoolRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.PoolInfo, _abc.Awaitable[_kvxfer_pb2.PoolInfo]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.PoolInfo, _abc.Awaitable[_kvxfer_pb2.PoolInfo]]:
+        """One pool's descriptor and memory handle: what a worker maps and builds its views from."""
 
     @_abc_1.abstractmethod
     def DescribePages(
         self,
         request: _kvxfer_pb2.DescribePagesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.DescribePagesResponse, _abc.Awaitable[_kvxfer_pb2.DescribePagesResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.DescribePagesResponse, _abc.Awaitable[_kvxfer_pb2.DescribePagesResponse]]:
+        """The byte extents of page runs in a pool's buffer, one per stretch of contiguous pages."""
 
     @_abc_1.abstractmethod
     def Expect(
         self,
         request: _kvxfer_pb2.ExpectRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """Receiver side of a push: register where transfer_id's pages will land, and mint the
+        capability the sender must present.
+        """
 
     @_abc_1.abstractmethod
     def Push(
         self,
         request: _kvxfer_pb2.PushRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """Sender side of a push: send pages to the decode daemon that expects transfer_id."""
 
     @_abc_1.abstractmethod
     def Offer(
         self,
         request: _kvxfer_pb2.OfferRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """Sender side of a pull: hold pages for a peer to pull, behind a single-use capability."""
 
     @_abc_1.abstractmethod
     def Pull(
         self,
         request: _kvxfer_pb2.PullRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """Receiver side of a pull: fetch an offered transfer from the prefill daemon into pages here."""
 
     @_abc_1.abstractmethod
     def LeasePull(
@@ -151,136 +204,176 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _kvxfer_pb2.WaitRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """A transfer's status once it is final, or when the call's timeout passes."""
 
     @_abc_1.abstractmethod
     def Abort(
         self,
         request: _kvxfer_pb2.AbortRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
 
     @_abc_1.abstractmethod
     def ListTransfers(
         self,
         request: _kvxfer_pb2.ListTransfersRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ListTransfersResponse, _abc.Awaitable[_kvxfer_pb2.ListTransfersResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ListTransfersResponse, _abc.Awaitable[_kvxfer_pb2.ListTransfersResponse]]:
+        """In-flight and recently ended transfers (kvxfer transfers)."""
 
     @_abc_1.abstractmethod
     def Completions(
         self,
         request: _kvxfer_pb2.CompletionsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.CompletionsResponse, _abc.Awaitable[_kvxfer_pb2.CompletionsResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.CompletionsResponse, _abc.Awaitable[_kvxfer_pb2.CompletionsResponse]]:
+        """Every transfer that ended since a cursor, for engines that poll once per step."""
 
     @_abc_1.abstractmethod
     def Allocate(
         self,
         request: _kvxfer_pb2.AllocateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]:
+        """Lease free pages of a pool, so that workers sharing the daemon never pick the same ones."""
 
     @_abc_1.abstractmethod
     def Release(
         self,
         request: _kvxfer_pb2.ReleaseRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ReleaseResponse, _abc.Awaitable[_kvxfer_pb2.ReleaseResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ReleaseResponse, _abc.Awaitable[_kvxfer_pb2.ReleaseResponse]]:
+        """End a lease now: its pages are free again."""
 
     @_abc_1.abstractmethod
     def Renew(
         self,
         request: _kvxfer_pb2.RenewRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.Lease, _abc.Awaitable[_kvxfer_pb2.Lease]]:
+        """Extend a lease from now."""
 
     @_abc_1.abstractmethod
     def ListLeases(
         self,
         request: _kvxfer_pb2.ListLeasesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ListLeasesResponse, _abc.Awaitable[_kvxfer_pb2.ListLeasesResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ListLeasesResponse, _abc.Awaitable[_kvxfer_pb2.ListLeasesResponse]]:
+        """Every live lease (kvxfer pools --leases)."""
 
     @_abc_1.abstractmethod
     def Info(
         self,
         request: _kvxfer_pb2.DaemonInfoRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.DaemonInfo, _abc.Awaitable[_kvxfer_pb2.DaemonInfo]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.DaemonInfo, _abc.Awaitable[_kvxfer_pb2.DaemonInfo]]:
+        """The daemon's version, peer address and memory epoch."""
 
     @_abc_1.abstractmethod
     def ListPeers(
         self,
         request: _kvxfer_pb2.ListPeersRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ListPeersResponse, _abc.Awaitable[_kvxfer_pb2.ListPeersResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ListPeersResponse, _abc.Awaitable[_kvxfer_pb2.ListPeersResponse]]:
+        """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
 
 def add_KvxferServicer_to_server(servicer: KvxferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class KvxferPeerStub:
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KvxferPeerAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.HandshakeRequest, _kvxfer_pb2.HandshakeResponse]
+    """Open a session: versions, identities, UCX addresses and lanes, the data plane."""
     Watch: _grpc.StreamStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]
+    """Heartbeats both ways for a session's lifetime (see WatchRequest)."""
     Claim: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ClaimRequest, _kvxfer_pb2.ClaimResponse]
+    """A sender asks where an expected or pulled transfer's pages go (see ClaimRequest)."""
     Commit: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.CommitRequest, _kvxfer_pb2.TransferStatus]
+    """With verify: the sender has sent every chunk; answers once they arrived and checked."""
     RequestPush: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.RequestPushRequest, _kvxfer_pb2.RequestPushResponse]
+    """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest)."""
     AbortTransfer: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortTransferRequest, _kvxfer_pb2.AbortTransferResponse]
+    """End a transfer on the other daemon too (see AbortTransferRequest)."""
 
 @_typing.type_check_only
 class KvxferPeerAsyncStub(KvxferPeerStub):
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.HandshakeRequest, _kvxfer_pb2.HandshakeResponse]  # type: ignore[assignment]
+    """Open a session: versions, identities, UCX addresses and lanes, the data plane."""
     Watch: _aio.StreamStreamMultiCallable[_kvxfer_pb2.WatchRequest, _kvxfer_pb2.Heartbeat]  # type: ignore[assignment]
+    """Heartbeats both ways for a session's lifetime (see WatchRequest)."""
     Claim: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ClaimRequest, _kvxfer_pb2.ClaimResponse]  # type: ignore[assignment]
+    """A sender asks where an expected or pulled transfer's pages go (see ClaimRequest)."""
     Commit: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.CommitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
+    """With verify: the sender has sent every chunk; answers once they arrived and checked."""
     RequestPush: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.RequestPushRequest, _kvxfer_pb2.RequestPushResponse]  # type: ignore[assignment]
+    """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest)."""
     AbortTransfer: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortTransferRequest, _kvxfer_pb2.AbortTransferResponse]  # type: ignore[assignment]
+    """End a transfer on the other daemon too (see AbortTransferRequest)."""
 
 class KvxferPeerServicer(metaclass=_abc_1.ABCMeta):
+    """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
+    that precedes every UCX transfer.
+    """
+
     @_abc_1.abstractmethod
     def Handshake(
         self,
         request: _kvxfer_pb2.HandshakeRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.HandshakeResponse, _abc.Awaitable[_kvxfer_pb2.HandshakeResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.HandshakeResponse, _abc.Awaitable[_kvxfer_pb2.HandshakeResponse]]:
+        """Open a session: versions, identities, UCX addresses and lanes, the data plane."""
 
     @_abc_1.abstractmethod
     def Watch(
         self,
         request_iterator: _MaybeAsyncIterator[_kvxfer_pb2.WatchRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_kvxfer_pb2.Heartbeat], _abc.AsyncIterator[_kvxfer_pb2.Heartbeat]]: ...
+    ) -> _typing.Union[_abc.Iterator[_kvxfer_pb2.Heartbeat], _abc.AsyncIterator[_kvxfer_pb2.Heartbeat]]:
+        """Heartbeats both ways for a session's lifetime (see WatchRequest)."""
 
     @_abc_1.abstractmethod
     def Claim(
         self,
         request: _kvxfer_pb2.ClaimRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.ClaimResponse, _abc.Awaitable[_kvxfer_pb2.ClaimResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.ClaimResponse, _abc.Awaitable[_kvxfer_pb2.ClaimResponse]]:
+        """A sender asks where an expected or pulled transfer's pages go (see ClaimRequest)."""
 
     @_abc_1.abstractmethod
     def Commit(
         self,
         request: _kvxfer_pb2.CommitRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
+        """With verify: the sender has sent every chunk; answers once they arrived and checked."""
 
     @_abc_1.abstractmethod
     def RequestPush(
         self,
         request: _kvxfer_pb2.RequestPushRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.RequestPushResponse, _abc.Awaitable[_kvxfer_pb2.RequestPushResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.RequestPushResponse, _abc.Awaitable[_kvxfer_pb2.RequestPushResponse]]:
+        """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest)."""
 
     @_abc_1.abstractmethod
     def AbortTransfer(
         self,
         request: _kvxfer_pb2.AbortTransferRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvxfer_pb2.AbortTransferResponse, _abc.Awaitable[_kvxfer_pb2.AbortTransferResponse]]: ...
+    ) -> _typing.Union[_kvxfer_pb2.AbortTransferResponse, _abc.Awaitable[_kvxfer_pb2.AbortTransferResponse]]:
+        """End a transfer on the other daemon too (see AbortTransferRequest)."""
 
 def add_KvxferPeerServicer_to_server(servicer: KvxferPeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -32,13 +32,18 @@ def check(address: str, timeout_s: float, service: str = "") -> str:
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the probe; the exit code says whether the daemon serves."""
+def build_parser() -> argparse.ArgumentParser:
+    """The probe's argument parser."""
     parser = argparse.ArgumentParser(prog="kvxfer-health", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default="unix:///run/kvxfer/kvxfer.sock",
                         help="the daemon's worker address (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds (default 3)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the probe; the exit code says whether the daemon serves."""
+    args = build_parser().parse_args(argv)
     try:
         status = check(args.address, args.timeout)
     except grpc.RpcError as exc:
