@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,9 +16,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvxfer.client import logs
-from kvxfer.errors import KvxferError
+from kvxfer.errors import KvxferError, PeerUnavailableError
 
 DEFAULT_ADDRESS = "unix:///run/kvxfer/kvxfer.sock"
+#: How often ``kvxfer health --wait`` asks again.
+HEALTH_POLL_S = 0.2
 console = Console()
 #: What the commands that run daemons (or make certificates) say in the worker install.
 DAEMON_MISSING = ("kvxfer {command} needs the daemon install, which this one is not (the "
@@ -120,8 +123,18 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    with _client(args) as kv:
-        status = kv.health()
+    deadline = time.monotonic() + args.wait
+    while True:  # with --wait, until SERVING or the deadline; an unreachable daemon is retried
+        try:
+            with _client(args) as kv:
+                status = kv.health()
+        except PeerUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            status = ""
+        if status == "SERVING" or time.monotonic() >= deadline:
+            break
+        time.sleep(HEALTH_POLL_S)
     print(json.dumps({"address": args.address, "status": status}) if args.json else status)
     return 0 if status == "SERVING" else 1
 
@@ -278,8 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_pools)
     pools.add_argument("--leases", action="store_true", help="also list every live page lease")
     add_daemon_flags(pools)
+    health = add("health", "Ask a daemon for its health (exit 0 when SERVING).", cmd_health)
+    health.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                        help="ask again until SERVING, for up to SECONDS, also while the daemon "
+                             "is not reachable yet (a daemon starting; default 0: ask once)")
+    add_daemon_flags(health)
     for name, help_, func in (
-        ("health", "Ask a daemon for its health (exit 0 when SERVING).", cmd_health),
         ("transfers", "List a daemon's in-flight and recent transfers.", cmd_transfers),
         ("status", "Show a daemon's version, peer address and memory epoch, and its sessions "
                    "with peer daemons: each one's direction and data plane (local-copy: same "
@@ -313,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvxfer.client.integrations.vllm.command import add_vllm_flags
 
     add_vllm_flags(add("vllm", "Serve a model disaggregated on this machine: two daemons, a prefill "
-                               "and a decode vLLM engine with KvxferConnector, and an "
-                               "OpenAI-compatible proxy, until Ctrl-C (needs vLLM).", cmd_vllm))
+                               "and a decode vLLM engine with KvxferConnector, and "
+                               "vLLM's router (vllm-router) in front, until Ctrl-C (needs "
+                               "vLLM).", cmd_vllm))
     return parser
 
 

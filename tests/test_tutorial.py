@@ -1,0 +1,87 @@
+"""Every command of docs/tutorial.md, run in order, so that the tutorial cannot rot.
+
+Each part of the tutorial (``## Part N``) becomes one bash script, in the order the page
+shows them: its ``bash`` blocks as they are, and each ``python`` block with a
+``title="PATH"`` written to that path first (the page tells the reader to save it there).
+The script runs from the repository's root with ``set -euo pipefail``, in a process group
+of its own that is killed at the end whatever happened, and its output must show what the
+page says it shows.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TUTORIAL = REPO / "docs" / "tutorial.md"
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+FENCE = re.compile(r'^```(\w+)(?: title="([^"]+)")?\n(.*?)^```$', re.S | re.M)
+
+
+def part_script(number: int) -> str:
+    """Part ``number``'s commands as one bash script."""
+    text = TUTORIAL.read_text()
+    start = text.index(f"\n## Part {number}:")
+    end = text.find("\n## ", start + 1)
+    lines = ["set -euo pipefail"]
+    for language, title, body in FENCE.findall(text[start:end if end > 0 else None]):
+        if language == "bash":
+            lines.append(body.rstrip())
+        elif language == "python" and title:
+            lines += [f"cat > {title} <<'PYTHON'", body.rstrip(), "PYTHON"]
+        else:
+            raise AssertionError(f"a {language} block the test cannot run: give it a title=PATH")
+    return "\n".join(lines) + "\n"
+
+
+def run_part(number: int, timeout_s: float) -> str:
+    """Run part ``number``; its output, or a failure with it."""
+    process = subprocess.Popen(["bash", "-c", part_script(number)], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(f"part {number} still running after {timeout_s:.0f} s:\n{output[-6000:]}") from None
+    finally:
+        try:  # whatever the script left running (a daemon, an engine) goes with its group
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert process.returncode == 0, f"part {number} failed ({process.returncode}):\n{output[-6000:]}"
+    return output
+
+
+def test_every_block_of_the_tutorial_is_runnable() -> None:
+    """A block the test would skip is a block that can rot: each part parses whole."""
+    assert "./scripts/demo.sh" in part_script(1) and "first_transfer.py" in part_script(1)
+    assert "kvxfer vllm" in part_script(2)
+
+
+@pytest.mark.slow
+def test_part_1_a_first_transfer() -> None:
+    output = run_part(1, timeout_s=300)
+    assert "demo OK" in output
+    assert output.count("SERVING") == 2
+    assert "moved 4194304 bytes in" in output and ": equal" in output
+    assert "DONE" in output  # kvxfer transfers lists the tutorial's and the bench's transfers
+    assert "ucx-tagged" in output  # kvxfer status shows the session's data plane
+
+
+@pytest.mark.slow
+def test_part_2_disaggregated_vllm_behind_vllm_router() -> None:
+    if not VLLM_PYTHON.exists():
+        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
+        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    output = run_part(2, timeout_s=560)
+    assert '"text_completion"' in output and '"completion_tokens":8' in output.replace(" ", "")
+    assert "DONE" in output
