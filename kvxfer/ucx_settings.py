@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-#: Settings that make UCX fast on loopback tcp and shared memory (see the README), and let a
+#: Settings that make UCX fast on loopback tcp and shared memory (docs/how-to/tuning.md), and let a
 #: restarted daemon listen on its old port at once.
 UCX_DEFAULTS = {
     "UCX_RNDV_SCHEME": "put_zcopy",

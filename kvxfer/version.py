@@ -2,7 +2,7 @@
 
 ``kvxfer`` is a namespace package: ``kvxfer/`` (the core: layouts, descriptors, pages,
 memory, transport), ``server/kvxfer/server`` and ``client/kvxfer/client`` are each
-their own distribution, installed per role (see the README's "Install").
+their own distribution, installed per role (docs/how-to/install.md).
 """
 
 from importlib.metadata import version

@@ -13,7 +13,7 @@ import pytest
 
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
-pytestmark = pytest.mark.slow  # see the README's Tests section
+pytestmark = pytest.mark.slow  # see docs/development.md
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

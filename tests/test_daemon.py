@@ -138,7 +138,7 @@ def _a_group_to_share_with() -> grp.struct_group | None:
 
 
 def test_a_worker_group_gets_the_socket_and_the_pools(spawn) -> None:
-    """Documented in the README's Security section: with --worker-group the socket and the
+    """Documented in docs/explanation/security.md: with --worker-group the socket and the
     shared memory are mode 0660 and that group's, so workers under other uids in it attach."""
     group = _a_group_to_share_with()
     if group is None:

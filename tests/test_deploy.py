@@ -2,7 +2,7 @@
 
 ``deploy/k8s/base`` and ``deploy/k8s/hugepages`` must render (``kubectl kustomize``),
 validate strictly against the Kubernetes schemas (kubernetes-validate), wire the
-sidecar as the README says, and pass the misconfiguration scans (checkov on the
+sidecar as docs/how-to/kubernetes.md says, and pass the misconfiguration scans (checkov on the
 manifests and the Dockerfile, hadolint on the Dockerfile) with every skipped check
 justified. Each tool is first shown a known-bad input, so a tool that checks nothing
 fails the test. The tools live in ``.venv-deploy`` (``scripts/setup-deploy-tools.sh``):

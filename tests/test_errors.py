@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -123,12 +122,3 @@ def test_a_handler_that_aborts_with_its_own_status_keeps_it(daemon, caplog: pyte
         assert time.monotonic() < deadline, "the health check was never counted"
         time.sleep(0.01)
     assert "failed unexpectedly" not in caplog.text
-
-
-def test_the_readme_names_every_error_type_with_its_code() -> None:
-    """The README's error table is the code's: every type, in the row of its gRPC code."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    table = readme.split("| error | gRPC code |\n|---|---|\n", 1)[1].split("\n\n", 1)[0]
-    rows = {row.rsplit("|", 2)[1].strip(): row for row in table.splitlines()}
-    for cls in ERROR_TYPES.values():
-        assert f"`{cls.__name__}`" in rows.get(cls.code, ""), f"{cls.__name__} ({cls.code})"

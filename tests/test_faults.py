@@ -34,7 +34,7 @@ from kvxfer.server.transfers.registry import QUIESCE_S
 from kvxfer.status import TransferInfo, TransferState
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
-pytestmark = pytest.mark.slow  # about 3.5 min; see the README's Tests section
+pytestmark = pytest.mark.slow  # about 3.5 min; see docs/development.md
 
 POOL = "name=kv,preset=llama8b"  # 512 pages of 2 MiB: a whole-pool transfer takes ~0.3 s
 HEARTBEAT_S = 1.0

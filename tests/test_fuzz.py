@@ -8,7 +8,7 @@ from test_benchmarks import run_benchmark
 
 from kvxfer.v1 import kvxfer_pb2 as pb
 
-pytestmark = pytest.mark.slow  # about 1 min; see the README's Tests section
+pytestmark = pytest.mark.slow  # about 1 min; see docs/development.md
 
 
 def test_ten_thousand_hostile_requests_change_nothing_and_break_nothing() -> None:

@@ -20,7 +20,7 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.pages import PageRuns
 
-pytestmark = pytest.mark.slow  # see the README's Tests section
+pytestmark = pytest.mark.slow  # see docs/development.md
 
 POOL = "name=kv,preset=tiny,num_pages=3"  # 3 pages of 32 KiB: well under one huge page
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")

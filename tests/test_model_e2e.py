@@ -10,7 +10,7 @@ import pytest
 from kvxfer.client.examples.disagg import PROMPTS, compare, daemon_config, reference, run_disaggregated
 from kvxfer.client.spawn import LocalDaemon
 
-pytestmark = pytest.mark.slow  # see the README's Tests section
+pytestmark = pytest.mark.slow  # see docs/development.md
 
 NEW_TOKENS = 8
 HERE = Path(__file__).resolve().parent

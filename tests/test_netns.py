@@ -30,7 +30,7 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.spawn import LocalDaemon
 from kvxfer.pages import PageRuns
 
-pytestmark = pytest.mark.slow  # see the README's Tests section
+pytestmark = pytest.mark.slow  # see docs/development.md
 
 POOL = "name=kv,preset=llama8b,num_pages=128"
 

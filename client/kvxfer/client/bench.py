@@ -54,7 +54,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     where.add_argument("--shm-dir", help="shared-memory directory for --spawn's daemons, e.g. a "
                                          "tmpfs mounted with huge=always (default /dev/shm)")
     where.add_argument("--no-ucx-error-handling", dest="ucx_error_handling", action="store_false",
-                       help="start --spawn's daemons without UCX peer error handling (see README)")
+                       help="start --spawn's daemons without UCX peer error handling (docs/how-to/tuning.md)")
     where.add_argument("--local-copy", action="store_true",
                        help="start --spawn's daemons with --local-copy: same-host transfers are "
                             "copied by the receiving daemon from the sender's pool, no UCX")

@@ -201,7 +201,7 @@ class DaemonConfig(BaseSettings):
             "mode 0660 and that group; the daemon must belong to it). Empty: owner only, 0600")
     shm_dir: str = _setting(
         "/dev/shm", "where CPU pools' shared memory lives; a hugetlbfs mount or a tmpfs mounted "
-                    "with huge=always gives them 2 MiB pages, which copy faster over cma (README)")
+                    "with huge=always gives them 2 MiB pages, which copy faster over cma (docs/how-to/tuning.md)")
     otlp_endpoint: str = _setting(
         "", "an OpenTelemetry collector (OTLP over gRPC) to export transfer spans to: "
             "http://HOST:PORT (plaintext, e.g. a collector in the pod) or https://HOST:PORT "

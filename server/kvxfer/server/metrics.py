@@ -1,6 +1,6 @@
 """The daemon's Prometheus metrics, on a registry of its own (one per daemon object).
 
-The README's "Metrics" table lists them and ``deploy/grafana/kvxfer.json`` plots them;
+docs/how-to/observability.md lists them and ``deploy/grafana/kvxfer.json`` plots them;
 a test checks that every metric the dashboard queries is one a daemon exports.
 """
 
