@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_ruff_is_clean() -> None:
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "kvxfer", "server", "client",
-                          "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True, timeout=120)
+                          "tests", "benchmarks", "scripts", "docs/hooks"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
