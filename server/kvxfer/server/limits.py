@@ -4,8 +4,7 @@ Per request: a deadline is 0 to ``MAX_TIMEOUT_S`` seconds, an id (transfer,
 session, lease) 1 to ``MAX_ID_CHARS`` characters, a free-text field (an abort's reason, a lease's holder) at most
 ``MAX_TEXT_CHARS``, and a gRPC message at most ``Limits.message_bytes`` (gRPC
 itself answers RESOURCE_EXHAUSTED naming both sizes). Per daemon (``Limits``):
-inbound sessions per peer identity, peer calls waiting for a worker's
-registration, transfers not yet ended. Retained finished transfers are bounded
+inbound sessions per peer identity, transfers not yet ended. Retained finished transfers are bounded
 by ``retain_transfers``, pages per transfer by the pool's size. A request past a
 per-request bound is INVALID_ARGUMENT; one past a per-daemon bound is
 RESOURCE_EXHAUSTED (``LimitExceededError``); either names the limit.
