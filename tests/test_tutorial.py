@@ -5,7 +5,8 @@ shows them: its ``bash`` blocks as they are, and each ``python`` block with a
 ``title="PATH"`` written to that path first (the page tells the reader to save it there).
 The script runs from the repository's root with ``set -euo pipefail``, in a process group
 of its own that is killed at the end whatever happened, and its output must show what the
-page says it shows.
+page says it shows. The README's Python example runs in part 1 too, against the tutorial's
+daemons, before they stop.
 """
 
 from __future__ import annotations
@@ -40,9 +41,20 @@ def part_script(number: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_part(number: int, timeout_s: float) -> str:
-    """Run part ``number``; its output, or a failure with it."""
-    process = subprocess.Popen(["bash", "-c", part_script(number)], cwd=REPO, stdout=subprocess.PIPE,
+def with_readme_example(script: str) -> str:
+    """``script`` with the README's Python example run before the daemons stop."""
+    readme = (REPO / "README.md").read_text()
+    example = FENCE.search(readme[readme.index("```python"):])
+    assert example is not None and example.group(1) == "python"
+    run = (f"cat > /tmp/kvxfer-tutorial/readme_example.py <<'PYTHON'\n{example.group(3).rstrip()}\nPYTHON\n"
+           ".venv/bin/python /tmp/kvxfer-tutorial/readme_example.py && echo 'README example OK'\n")
+    assert script.count("\nkill %1 %2\n") == 1
+    return script.replace("\nkill %1 %2\n", f"\n{run}kill %1 %2\n")
+
+
+def run_part(number: int, timeout_s: float, script: str = "") -> str:
+    """Run part ``number`` (or ``script`` in its place); its output, or a failure with it."""
+    process = subprocess.Popen(["bash", "-c", script or part_script(number)], cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = process.communicate(timeout=timeout_s)
@@ -67,8 +79,8 @@ def test_every_block_of_the_tutorial_is_runnable() -> None:
 
 @pytest.mark.slow
 def test_part_1_a_first_transfer() -> None:
-    output = run_part(1, timeout_s=300)
-    assert "demo OK" in output
+    output = run_part(1, timeout_s=300, script=with_readme_example(part_script(1)))
+    assert "demo OK" in output and "README example OK" in output
     assert output.count("SERVING") == 2
     assert "moved 4194304 bytes in" in output and ": equal" in output
     assert "DONE" in output  # kvxfer transfers lists the tutorial's and the bench's transfers
