@@ -47,7 +47,7 @@ def with_readme_example(script: str) -> str:
     example = FENCE.search(readme[readme.index("```python"):])
     assert example is not None and example.group(1) == "python"
     run = (f"cat > /tmp/kvxfer-tutorial/readme_example.py <<'PYTHON'\n{example.group(3).rstrip()}\nPYTHON\n"
-           ".venv/bin/python /tmp/kvxfer-tutorial/readme_example.py && echo 'README example OK'\n")
+           ".venv/bin/python /tmp/kvxfer-tutorial/readme_example.py\necho 'README example OK'\n")
     assert script.count("\nkill %1 %2\n") == 1
     return script.replace("\nkill %1 %2\n", f"\n{run}kill %1 %2\n")
 
