@@ -81,6 +81,13 @@ def test_leases_are_disjoint_and_refused_clearly_when_the_pool_is_full(spawn) ->
         assert {x.holder for x in kv.leases()} == {"engine-0", "engine-2"}
         with pytest.raises(InvalidArgumentError, match="are not all pages of lease"):
             kv.expect("outside", "kv", PageRuns.of([(0, 64)]), lease_id=leases[0].lease_id)
+        with pytest.raises(InvalidArgumentError, match="holder has 1025 characters; the limit is 1024"):
+            kv.allocate("kv", 1, holder="h" * 1025)
+        with pytest.raises(InvalidArgumentError, match="lease_id has 257 characters; the limit is 256"):
+            kv.renew("l" * 257)
+        with pytest.raises(InvalidArgumentError, match="lease_id is empty"):
+            kv.release("")
+        assert kv.leased_pages() == {"kv": 40}
 
 
 def test_an_expired_lease_frees_its_pages_and_fails_its_transfer(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvxfer.errors import InvalidArgumentError, LeaseNotFoundError, PoolExhaustedError
 from kvxfer.pages import PageRuns
+from kvxfer.server.limits import check_id, check_text
 from kvxfer.server.pools import PoolRegistry
 
 log = logging.getLogger("kvxfer.server.leases")
@@ -124,6 +125,7 @@ class PageLeases:
 
     def allocate(self, pool: str, pages: int, lease_s: float, holder: str) -> Lease:
         """Lease ``pages`` free pages of ``pool`` for ``lease_s`` seconds (0: the default)."""
+        check_text("holder", holder)
         num_pages = self._pools.get(pool).descriptor.num_pages
         duration = self._duration(lease_s)
         if not 1 <= pages <= num_pages:
@@ -145,7 +147,9 @@ class PageLeases:
         lease.timer = asyncio.get_running_loop().call_later(duration, self._expire, lease)
 
     def get(self, lease_id: str) -> Lease:
-        """The live lease ``lease_id``; raises LeaseNotFoundError."""
+        """The live lease ``lease_id``; raises LeaseNotFoundError (InvalidArgumentError for an
+        id no lease can have: empty or too long)."""
+        check_id("lease_id", lease_id)
         try:
             return self._leases[lease_id]
         except KeyError:
