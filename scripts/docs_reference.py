@@ -67,14 +67,19 @@ def configuration() -> str:
             continue
         extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
         expected = f" Expected: {extra['expected']}." if extra.get("expected") else ""
-        rows.append((f"`{name}`", f"`--{name.replace('_', '-')}`", f"`KVXFER_{name.upper()}`",
+        flag = f"`--{name.replace('_', '-')}`"
+        if field.annotation is bool:
+            flag += f", `--no-{name.replace('_', '-')}`"
+        rows.append((f"`{name}`", flag, f"`KVXFER_{name.upper()}`",
                      _default(field.default), f"{field.description}.{expected}"))
     lines += _table(("file key", "flag", "environment", "default", "what it is"), rows)
     lines += ["", "## Pools", "",
               "Pools come from the file (`pools:`, a list of mappings, and `arenas:`, whose "
               "entries pack several pools into one buffer: a hybrid model) and from "
-              "`--pool` flags, `NAME=PRESET` or `name=N,kind=K,key=value,...`. A pool entry "
-              "names its `kind` and that kind's keys (and optionally `name`, `device`):", ""]
+              "`--pool` flags: `NAME=PRESET`, `name=N,preset=P,key=value,...` (a preset with "
+              "some keys changed, e.g. `name=kv,preset=llama8b,num_pages=64`) or "
+              "`name=N,kind=K,key=value,...`. A pool entry names its `kind` and that kind's keys "
+              "(and optionally `name`, `device`), or a `preset`:", ""]
     lines += _table(("kind", "keys"), ((f"`{kind}`", ", ".join(f"`{f.name}`" for f in fields(cls)))
                                        for kind, cls in SPEC_CLASSES.items()))
     lines += ["", "Presets (`--pool kv=llama8b`):", ""]
@@ -226,6 +231,19 @@ def errors_section() -> list[str]:
                       " ".join((inspect.getdoc(cls) or "").split())) for cls in rows)), ""]
 
 
+def _at_fixed_width(render: Callable[[], str]) -> str:
+    """``render()`` with help text wrapped at ``COLUMNS``, whatever the terminal."""
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = COLUMNS
+    try:
+        return render()
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "configuration.md": configuration, "cli.md": command_line, "grpc-api.md": grpc_api,
 }
@@ -237,11 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming the pages that differ from the code")
     args = parser.parse_args(argv)
-    os.environ["COLUMNS"] = COLUMNS
     stale = []
     for name, render in PAGES.items():
         path = REFERENCE / name
-        text = render()
+        text = _at_fixed_width(render)
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(str(path.relative_to(REPO)))

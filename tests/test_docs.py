@@ -1,5 +1,6 @@
 """The docs: the site builds with ``mkdocs build --strict``, its reference pages match the
-code, and the README stays short. Each check has a negative control that breaks a copy."""
+code, and the README stays short. The staleness, link and nav checks each have a negative
+control that breaks a copy."""
 
 from __future__ import annotations
 
@@ -60,15 +61,26 @@ def test_the_site_builds_with_strict_checks(tmp_path: Path) -> None:
     assert reports and published == reports
 
 
+def _copy_of_the_site(root: Path) -> Path:
+    for folder in ("docs", "benchmarks/reports"):
+        shutil.copytree(REPO / folder, root / folder)
+    shutil.copy(REPO / "mkdocs.yml", root)
+    return root / "docs"
+
+
 def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
     """The negative control: a copy of the docs with one dead link does not build."""
-    for folder in ("docs", "benchmarks/reports"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
-    shutil.copy(REPO / "mkdocs.yml", tmp_path)
-    index = tmp_path / "docs" / "index.md"
+    index = _copy_of_the_site(tmp_path) / "index.md"
     index.write_text(index.read_text() + "\n[gone](how-to/no-such-page.md)\n")
     out = _build(tmp_path, tmp_path / "site")
     assert out.returncode != 0 and "no-such-page.md" in out.stderr, out.stderr
+
+
+def test_a_page_missing_from_the_nav_fails_the_build(tmp_path: Path) -> None:
+    """The negative control: a copy of the docs without one page of the nav does not build."""
+    (_copy_of_the_site(tmp_path) / "how-to" / "tls.md").unlink()
+    out = _build(tmp_path, tmp_path / "site")
+    assert out.returncode != 0 and "how-to/tls.md" in out.stderr, out.stderr
 
 
 def test_the_readme_is_short() -> None:

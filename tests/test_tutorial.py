@@ -19,10 +19,15 @@ from pathlib import Path
 
 import pytest
 
+#: The parts run daemons, then vLLM engines, past the suite's default of 180 s.
+pytestmark = pytest.mark.timeout(900)
+
 REPO = Path(__file__).resolve().parent.parent
 TUTORIAL = REPO / "docs" / "tutorial.md"
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 FENCE = re.compile(r'^```(\w+)(?: title="([^"]+)")?\n(.*?)^```$', re.S | re.M)
+#: Any fence opening or closing, indented or not, with backticks or tildes.
+ANY_FENCE = re.compile(r"^\s*(```|~~~)", re.M)
 
 
 def part_script(number: int) -> str:
@@ -72,7 +77,14 @@ def run_part(number: int, timeout_s: float, script: str = "") -> str:
 
 
 def test_every_block_of_the_tutorial_is_runnable() -> None:
-    """A block the test would skip is a block that can rot: each part parses whole."""
+    """A block the test would skip is a block that can rot: every fence of the page is one the
+    parser reads (top level, a language, at most a title), every block is in a part, and
+    the parts are the two the tests below run."""
+    text = TUTORIAL.read_text()
+    assert len(ANY_FENCE.findall(text)) == 2 * len(FENCE.findall(text))
+    parts = re.findall(r"^## Part (\d+):", text, re.M)
+    assert parts == ["1", "2"]
+    assert text.index("```") > text.index("\n## Part 1:")
     assert "./scripts/demo.sh" in part_script(1) and "first_transfer.py" in part_script(1)
     assert "kvxfer vllm" in part_script(2)
 
@@ -85,6 +97,8 @@ def test_part_1_a_first_transfer() -> None:
     assert "moved 4194304 bytes in" in output and ": equal" in output
     assert "DONE" in output  # kvxfer transfers lists the tutorial's and the bench's transfers
     assert "ucx-tagged" in output  # kvxfer status shows the session's data plane
+    # Stopped by the tutorial's kill, the daemons removed their sockets.
+    assert not list(Path("/tmp/kvxfer-tutorial").glob("*.sock"))
 
 
 @pytest.mark.slow
