@@ -20,14 +20,16 @@ from typing import Any
 
 from kvxfer.client.integrations.vllm.connector import KvxferConnector, KvxferMetadata
 from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.stats import IntervalStats
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 
-LAYOUT = BlockLayout(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
-                     head_size=64, tp_size=1, vllm_version="0.32.0", attention="cpu/vec")
+LAYOUT = BlockLayout(dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
+                     head_size=64, tp_size=1, block_format="LBHNC/cpu-vec")
+MODEL = ModelIdentity(fingerprint="0123456789abcdef" * 2, name="tiny", vllm_version="0.32.0")
 SETTINGS = load_settings({"daemon": "unix:///nonexistent/kvxfer.sock", "pool": "kv"})
 
 
@@ -40,7 +42,7 @@ def broken(name: str) -> Any:
 def connector(unguarded: bool) -> KvxferConnector:
     """A connector with both halves (vLLM gives each role one; both here to call every entry)."""
     shell: Any = object.__new__(KvxferConnector)
-    shell._scheduler = SchedulerSide(SETTINGS, LAYOUT, "D", producer=False, consumer=True, client=None)
+    shell._scheduler = SchedulerSide(SETTINGS, LAYOUT, MODEL, "D", producer=False, consumer=True, client=None)
     shell._worker = WorkerSide(SETTINGS, LAYOUT, "D")
     shell._manager = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2],))
     shell.failures = Counter()

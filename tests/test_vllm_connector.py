@@ -23,14 +23,16 @@ import torch
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool, pool_flag
+from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError, TransferNotFoundError
 
-LAYOUT = BlockLayout(model="tiny", dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
-                     head_size=64, tp_size=1, vllm_version="0.32.0", attention="cpu/vec")
+LAYOUT = BlockLayout(dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
+                     head_size=64, tp_size=1, block_format="LBHNC/cpu-vec")
+MODEL = ModelIdentity(fingerprint="0123456789abcdef" * 2, name="tiny", vllm_version="0.32.0")
 POOL = pool_flag(LAYOUT, "kv", 64)
 NUM_BLOCKS = 16
 
@@ -130,9 +132,9 @@ def engines_on(pre: Any, dec: Any, client: KvxferClient, seed: int = 1) -> Engin
     scheduler's), with KV caches seeded ``seed`` and ``seed + 1``, registered."""
     parts = Engines(
         pre, dec,
-        SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True, consumer=False,
+        SchedulerSide(settings(pre.worker_address), LAYOUT, MODEL, "P", producer=True, consumer=False,
                       client=client),
-        SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+        SchedulerSide(settings(dec.worker_address), LAYOUT, MODEL, "D", producer=False, consumer=True,
                       client=None),
         WorkerSide(settings(pre.worker_address), LAYOUT, "P"),
         WorkerSide(settings(dec.worker_address), LAYOUT, "D"),
@@ -162,9 +164,9 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_p.wait_for_save()
         params = sched_p.request_finished(req)
         assert params is not None and params["do_remote_prefill"] is True
-        remote = parse_remote_prefill(params, LAYOUT)
+        remote = parse_remote_prefill(params, LAYOUT, MODEL)
         assert isinstance(remote, RemotePrefill) and remote.peer == pre.peer_address
-        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 1
+        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 2
 
         # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
         dreq = Request("d1", 70, params)
@@ -213,15 +215,31 @@ def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) ->
 
 
 def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:
-    theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "vllm_version": "0.31.0"})
-    params = RemotePrefill("P/x", "127.0.0.1:1", ("0" * 32,), theirs).to_params()
-    sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, "D", producer=False, consumer=True,
+    theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "block_format": "LBHNC/cpu-vec16"})
+    params = RemotePrefill("P/x", "127.0.0.1:1", ("0" * 32,), theirs, MODEL).to_params()
+    sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, MODEL, "D", producer=False, consumer=True,
                           client=None)
     req = Request("x", 40, params)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here, nothing loaded
     assert sched.refusals == {"layout": 1}
-    assert "block_size: ours 32, theirs 16" in caplog.text and "vllm_version: ours '0.32.0'" in caplog.text
+    assert "block_size: ours 32, theirs 16" in caplog.text
+    assert "block_format: ours 'LBHNC/cpu-vec', theirs 'LBHNC/cpu-vec16'" in caplog.text
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False) and sched.refusals == {"layout": 1}
+
+
+def test_compatibility_is_by_bytes_and_model_not_by_names_or_versions(caplog) -> None:
+    """The same bytes and model under another path and vLLM release load; the same bytes of
+    another model (another fingerprint) are refused, naming both."""
+    sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, MODEL, "D", producer=False, consumer=True,
+                          client=None)
+    renamed = ModelIdentity(MODEL.fingerprint, "/elsewhere/tiny", "0.31.0")
+    params = RemotePrefill("P/a", "127.0.0.1:1", ("0" * 32,), LAYOUT, renamed).to_params()
+    assert sched.get_num_new_matched_tokens(Request("a", 40, params), 0) == (40, True)
+    other = ModelIdentity("f" * 32, "tiny", "0.32.0")
+    params = RemotePrefill("P/b", "127.0.0.1:1", ("0" * 32,), LAYOUT, other).to_params()
+    assert sched.get_num_new_matched_tokens(Request("b", 40, params), 0) == (0, False)
+    assert sched.refusals == {"model": 1}
+    assert f"fingerprint {'f' * 32} ('tiny'), ours {MODEL.fingerprint} ('tiny')" in caplog.text
 
 
 @dataclass
@@ -242,8 +260,8 @@ class PendingLoad:
 def pending_load(pre, dec, req_id: str, **extra: Any) -> Iterator[PendingLoad]:
     """Start loading a 64-token prompt into blocks 8 and 9 from a prefill daemon frozen
     (SIGSTOP) for the duration, so that the load stays in flight."""
-    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32,), LAYOUT).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, "D", producer=False, consumer=True,
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32,), LAYOUT, MODEL).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), LAYOUT, MODEL, "D", producer=False, consumer=True,
                           client=None)
     worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
     kv = kv_caches(4)
@@ -300,7 +318,7 @@ def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, mon
 def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> None:
     pre = spawn("small", [pool_flag(LAYOUT, "kv", 2)])  # room for 2 blocks, the prompt needs 3
     with KvxferClient(pre.worker_address) as p:
-        sched = SchedulerSide(settings(pre.worker_address), LAYOUT, "P", producer=True,
+        sched = SchedulerSide(settings(pre.worker_address), LAYOUT, MODEL, "P", producer=True,
                               consumer=False, client=p)
         req = Request("big", 70, {"do_remote_decode": True})
         sched.update_state_after_alloc(req, [0, 1, 2], 0)
@@ -327,9 +345,9 @@ def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
     pre, dec = pair
     tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
-        sched_p = SchedulerSide(settings(pre.worker_address), tp2, "P", producer=True,
+        sched_p = SchedulerSide(settings(pre.worker_address), tp2, MODEL, "P", producer=True,
                                 consumer=False, client=p)
-        sched_d = SchedulerSide(settings(dec.worker_address), tp2, "D", producer=False,
+        sched_d = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False,
                                 consumer=True, client=None)
         ranks = range(2)
         work_p = [WorkerSide(settings(pre.worker_address), tp2, "P", rank) for rank in ranks]
@@ -373,8 +391,8 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
     failed within seconds, and no page stays leased."""
     pre, dec = pair
     tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
-    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), tp2, "D", producer=False, consumer=True,
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2, MODEL).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False, consumer=True,
                           client=None)
     workers = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in range(2)]
     for rank, worker in enumerate(workers):

@@ -1,12 +1,14 @@
-"""``kv_transfer_params`` v1 against an oracle: 10,000 generated params, valid and malformed,
+"""``kv_transfer_params`` v2 against an oracle: 10,000 generated params, valid and malformed,
 through both connector halves' entry points (the scheduler half of a decode engine and of a
 prefill engine), each predicted to load or be refused for a stated reason.
 
-The generator builds each case from a valid v1 params object and one labelled mutation, so
+The generator builds each case from a valid v2 params object and one labelled mutation, so
 the oracle is the label, not a second parser. Per case the decode half must load exactly
 the valid ones (the engine's own prompt length, never a number from params) and refuse the
 rest with the predicted reason; over the run its ``refusals`` counters must equal the
-oracle's counts. No case may raise.
+oracle's counts. No case may raise. Compatibility is by bytes and model: a layout field or
+the model's fingerprint that differs is refused, a model name or vLLM version that differs
+loads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_vllm_connector import LAYOUT, Request
+from test_vllm_connector import LAYOUT, MODEL, Request
 
 from kvxfer.client.integrations.vllm.digest import prompt_digest
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
@@ -30,11 +32,13 @@ from kvxfer.client.integrations.vllm.settings import load_settings
 #: How many generated params the run drives (the issue's floor).
 CASES = 10_000
 #: The reasons the decode half refuses params for (``protocol.RefusalReason``).
-REFUSALS = ("malformed", "version", "layout", "unsupported")
+REFUSALS = ("malformed", "version", "layout", "model", "unsupported")
 
 LAYOUT_INTS = ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_size")
-LAYOUT_TEXTS = ("model", "dtype", "vllm_version", "attention")
-TOP_KEYS = ("version", "transfer_id", "peer", "capabilities", "layout")
+LAYOUT_TEXTS = ("dtype", "block_format")
+MODEL_KEYS = ("fingerprint", "name", "vllm_version")
+TOP_KEYS = ("version", "transfer_id", "peer", "capabilities", "layout", "model")
+fingerprints = st.text("0123456789abcdef", min_size=32, max_size=32)
 
 transfer_ids = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64)
 peers = st.one_of(
@@ -63,12 +67,12 @@ bad_capabilities = st.one_of(st.text("0123456789abcdef", max_size=31),
 
 
 def valid_params(transfer_id: str, peer: str, capability: str) -> dict[str, Any]:
-    return RemotePrefill(transfer_id, peer, (capability,), LAYOUT).to_params()
+    return RemotePrefill(transfer_id, peer, (capability,), LAYOUT, MODEL).to_params()
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[Any, str]:
-    """(params, what the oracle predicts: none, load, malformed, version or layout)."""
+    """(params, what the oracle predicts: none, load, malformed, version, layout or model)."""
     params = valid_params(draw(transfer_ids), draw(peers), draw(capabilities))
     ours = params["kvxfer"]
     kind = draw(st.sampled_from([
@@ -76,7 +80,8 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
         "version_other", "version_missing", "extra_key", "missing_key", "field_type",
         "bad_transfer_id", "bad_peer", "bad_capability", "capabilities_count", "layout_missing",
         "layout_extra", "layout_type", "layout_out_of_range", "layout_differs", "embeds",
-        "both_flags"]))
+        "both_flags", "model_missing_key", "model_type", "model_bad_fingerprint", "model_differs",
+        "model_named_otherwise"]))
     if kind == "valid":
         return params, "load"
     if kind == "embeds":
@@ -106,8 +111,8 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
         del params["kvxfer"]
         return params, "malformed"
     if kind == "version_other":
-        ours["version"] = draw(st.one_of(st.integers().filter(lambda v: v != 1), st.just(True),
-                                         st.just(1.0), st.just("1"), st.none()))
+        ours["version"] = draw(st.one_of(st.integers().filter(lambda v: v != 2), st.just(True),
+                                         st.just(2.0), st.just("2"), st.none()))
         return params, "version"
     if kind == "version_missing":
         del ours["version"]
@@ -127,6 +132,24 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
     if kind == "bad_peer":
         ours["peer"] = draw(bad_peers)
         return params, "malformed"
+    model = ours["model"]
+    if kind == "model_missing_key":
+        del model[draw(st.sampled_from(MODEL_KEYS))]
+        return params, "malformed"
+    if kind == "model_type":
+        model[draw(st.sampled_from(MODEL_KEYS))] = draw(not_text)
+        return params, "malformed"
+    if kind == "model_bad_fingerprint":
+        model["fingerprint"] = draw(st.text(max_size=40).filter(
+            lambda f: len(f) != 32 or not set(f) <= set("0123456789abcdef")))
+        return params, "malformed"
+    if kind == "model_differs":
+        model["fingerprint"] = draw(fingerprints.filter(lambda f: f != MODEL.fingerprint))
+        return params, "model"
+    if kind == "model_named_otherwise":  # another path or vLLM release, the same model: loads
+        model["name"] = draw(st.text(max_size=30))
+        model["vllm_version"] = draw(st.text(max_size=12))
+        return params, "load"
     layout = ours["layout"]
     if kind == "layout_missing":
         del layout[draw(st.sampled_from(sorted(layout)))]
@@ -152,8 +175,10 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
 
 @pytest.mark.slow
 def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> None:
-    decode = SchedulerSide(load_settings({}), LAYOUT, "D", producer=False, consumer=True, client=None)
-    prefill = SchedulerSide(load_settings({}), LAYOUT, "P", producer=True, consumer=False, client=None)
+    decode = SchedulerSide(load_settings({}), LAYOUT, MODEL, "D", producer=False, consumer=True,
+                           client=None)
+    prefill = SchedulerSide(load_settings({}), LAYOUT, MODEL, "P", producer=True, consumer=False,
+                            client=None)
     predicted: Counter[str] = Counter()
     seen = 0
 
@@ -203,8 +228,8 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
 @given(params=cases())
 def test_every_refusal_names_what_was_wrong(params: tuple[Any, str]) -> None:
     value, outcome = params
-    parsed = parse_remote_prefill(copy.deepcopy(value), LAYOUT)
-    if outcome in ("malformed", "version", "layout"):  # "unsupported" needs the request
+    parsed = parse_remote_prefill(copy.deepcopy(value), LAYOUT, MODEL)
+    if outcome in ("malformed", "version", "layout", "model"):  # "unsupported" needs the request
         assert parsed is not None and not isinstance(parsed, RemotePrefill)
         assert parsed.reason == outcome and len(parsed.detail) > 10
 
@@ -233,7 +258,7 @@ def test_negative_control_a_lenient_reading_lets_one_request_raise_into_the_sche
     """The strict parser switched off (the connector's reading before params v1: fields
     taken as they come): a malformed request raises out of the entry point vLLM's
     scheduler calls (which, unguarded, killed the engine core)."""
-    def lenient(params: Any, ours: Any) -> Any:
+    def lenient(params: Any, ours: Any, our_model: Any) -> Any:
         if not params or not params.get("do_remote_prefill"):
             return None
         raw = params["kvxfer"]
@@ -241,6 +266,7 @@ def test_negative_control_a_lenient_reading_lets_one_request_raise_into_the_sche
                                num_tokens=int(raw["num_tokens"]), capabilities=())
 
     monkeypatch.setattr("kvxfer.client.integrations.vllm.scheduler.parse_remote_prefill", lenient)
-    decode = SchedulerSide(load_settings({}), LAYOUT, "D", producer=False, consumer=True, client=None)
+    decode = SchedulerSide(load_settings({}), LAYOUT, MODEL, "D", producer=False, consumer=True,
+                           client=None)
     with pytest.raises(TypeError):
         decode.get_num_new_matched_tokens(Request("x", 10, {"do_remote_prefill": True, "kvxfer": "x" * 8}), 0)

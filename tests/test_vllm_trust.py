@@ -24,6 +24,7 @@ from hypothesis import settings as examples
 from hypothesis import strategies as st
 from test_vllm_connector import (
     LAYOUT,
+    MODEL,
     POOL,
     Engines,
     Request,
@@ -115,8 +116,9 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
     if not lost:
         monkeypatch.setattr(WorkerSide, "_lost", lambda self, epoch: None)
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 1, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
-                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict()}}
+              "kvxfer": {"version": 2, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
+                         "model": dataclasses.asdict(MODEL)}}
     dreq = Request("orphan", 64, params)
     assert engines.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
     engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
@@ -148,8 +150,9 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
     monkeypatch.setattr(CompletionFeed, "wait",
                         lambda self, timeout_s: waits.append(timeout_s) or wait(self, timeout_s))
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 1, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
-                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict()}}
+              "kvxfer": {"version": 2, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+                         "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
+                         "model": dataclasses.asdict(MODEL)}}
     dreq = Request("waiting", 64, params)
     engines.sched_d.get_num_new_matched_tokens(dreq, 0)
     engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
@@ -220,7 +223,7 @@ def test_a_failed_entry_point_fails_only_its_own_requests(engines) -> None:
     (``fail_load``), a plan that could not be built fails its loads (``failed_plan``), and
     the worker reports both failed, so vLLM recomputes them instead of waiting forever."""
     sched, worker = engines.sched_d, engines.work_d
-    params = RemotePrefill("P/x", engines.pre.peer_address, ("0" * 32,), LAYOUT).to_params()
+    params = RemotePrefill("P/x", engines.pre.peer_address, ("0" * 32,), LAYOUT, MODEL).to_params()
     first, second = Request("first", 64, dict(params)), Request("second", 64, dict(params))
     for request in (first, second):
         assert sched.get_num_new_matched_tokens(request, 0) == (64, True)

@@ -34,6 +34,7 @@ PROMPTS = {
     **{f"K{i}": prompt(seed=350 + i, words=70 + 10 * i) for i in range(6)},
     **{f"W{i}": prompt(seed=360 + i, words=45 + 5 * i) for i in range(12)},
     "A0": prompt(seed=370, words=120), "A1": prompt(seed=371, words=30),
+    **{f"C{i}": prompt(seed=380 + i, words=55 + 10 * i) for i in range(3)},
 }
 #: How long the client of a request that is then aborted waits for its answer.
 ABANDON_S = 3.0
@@ -41,14 +42,15 @@ ABANDON_S = 3.0
 RESUME_S = 60.0
 
 
-def malformed(layout: dict[str, Any]) -> list[dict[str, Any]]:
+def malformed(layout: dict[str, Any], model: dict[str, Any]) -> list[dict[str, Any]]:
     """Params the decode engine must refuse (and compute the prompt itself)."""
     return [
         {"do_remote_prefill": True, "kvxfer": "x" * 64},
-        {"do_remote_prefill": True, "kvxfer": {"version": 1, "transfer_id": "x",
+        {"do_remote_prefill": True, "kvxfer": {"version": 2, "transfer_id": "x",
                                                "peer": "127.0.0.1:1", "capabilities": ["0" * 32],
-                                               "num_tokens": 100_000, "layout": layout}},
-        {"do_remote_prefill": "yes", "kvxfer": {"version": 1}},
+                                               "num_tokens": 100_000, "layout": layout,
+                                               "model": model}},
+        {"do_remote_prefill": "yes", "kvxfer": {"version": 2}},
     ]
 
 
@@ -113,9 +115,9 @@ def dials_refused(d: Disaggregation) -> float:
 
 def forged_cases(phase: Phase) -> None:
     out = phase.out
-    layout = phase.prefilled("M0", "layout-probe")["kvxfer"]["layout"]
+    probe = phase.prefilled("M0", "layout-probe")["kvxfer"]
     out["malformed"] = [phase.direct(f"M{i}", params, f"malformed-{i}")
-                        for i, params in enumerate(malformed(layout))]
+                        for i, params in enumerate(malformed(probe["layout"], probe["model"]))]
     f_params = phase.prefilled("F", "forge-source")
     out["other_prompt"] = phase.direct("G", f_params, "forged-other-prompt")
     out["other_prompt_plain_after"] = phase.direct("G", None, "plain-after-forgery")
@@ -137,9 +139,29 @@ def forged_cases(phase: Phase) -> None:
     out["outside_policy"] = phase.direct("R4", outside, "outside-policy")
     out["dials_refused"] = dials_refused(phase.d) - refused_before
     versioned = phase.prefilled("R5", "version-source")
-    versioned["kvxfer"]["version"] = 2
+    versioned["kvxfer"]["version"] = 1
     out["other_version"] = phase.direct("R5", versioned, "other-version")
+    compatibility_cases(phase)
     out["healthy_after_forgeries"] = phase.healthy()
+
+
+def compatibility_cases(phase: Phase) -> None:
+    """Compatibility is by bytes and model: the same model under another path and vLLM
+    release loads; another fingerprint, or another in-block format, is refused."""
+    out = phase.out
+    renamed = phase.prefilled("C0", "renamed-source")
+    renamed["kvxfer"]["model"].update(name="/elsewhere/tiny-model", vllm_version="0.31.0")
+    loaded_before = phase.loaded_tokens()
+    out["renamed"] = phase.direct("C0", renamed, "renamed")
+    out["renamed_loaded"] = phase.loaded_tokens() - loaded_before
+    other_model = phase.prefilled("C1", "other-model-source")
+    fingerprint = other_model["kvxfer"]["model"]["fingerprint"]
+    other_model["kvxfer"]["model"]["fingerprint"] = fingerprint[::-1]
+    out["other_model"] = phase.direct("C1", other_model, "other-model")
+    other_format = phase.prefilled("C2", "other-format-source")
+    out["block_format"] = other_format["kvxfer"]["layout"]["block_format"]
+    other_format["kvxfer"]["layout"]["block_format"] += "16"
+    out["other_format"] = phase.direct("C2", other_format, "other-format")
 
 
 def engine_gauge(phase: Phase, name: str) -> float:
@@ -173,7 +195,7 @@ def aborted_case(phase: Phase) -> None:
 
 
 def restart_cases(phase: Phase, router: VllmRouter) -> None:
-    """A daemon killed (SIGKILL) and restarted between requests (through the proxy), then
+    """A daemon killed (SIGKILL) and restarted between requests (through vllm-router), then
     under 3 requests in flight through vllm-router; each time, answers and how soon
     transfers moved again."""
     d, out = phase.d, phase.out

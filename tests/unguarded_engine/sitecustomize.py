@@ -44,12 +44,13 @@ def _unguard_epoch() -> None:
 def _unguard_parsing() -> None:
     from kvxfer.client.integrations.vllm import connector, scheduler
 
-    def lenient(params: Any, ours: Any) -> Any:
+    def lenient(params: Any, ours: Any, our_model: Any) -> Any:
         if not params or not params.get("do_remote_prefill"):
             return None
         raw = params["kvxfer"]
         return SimpleNamespace(transfer_id=str(raw["transfer_id"]), peer=str(raw["peer"]),
-                               capabilities=tuple(raw["capabilities"]), layout=ours)
+                               capabilities=tuple(raw["capabilities"]), layout=ours,
+                               model=our_model)
 
     scheduler.parse_remote_prefill = lenient  # type: ignore[assignment]
     connector.KvxferConnector._guarded = (  # type: ignore[method-assign]

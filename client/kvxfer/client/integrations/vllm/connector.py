@@ -11,7 +11,8 @@ Tensor parallelism: each rank has its own worker half and its shard of the KV
 heads, so a page holds one rank's block, the scheduler leases pages per rank,
 and each rank moves its own transfer (``{engine}/{request}/tp{rank}``); vLLM
 counts a load finished once every rank reported it. Both engines must have the
-same TP size (it is part of the block layout).
+same TP size (it is part of the block layout) and the same model (its fingerprint,
+``model_identity``), whatever its path or the vLLM version.
 
 Failure contract (``docs/trust.md``): no request may crash an engine. Every
 entry point vLLM calls during serving runs under ``_guarded``: an exception is
@@ -42,6 +43,7 @@ from vllm.platforms import current_platform
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
+from kvxfer.client.integrations.vllm.model_identity import ModelIdentity, fingerprint, weights_of
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
@@ -74,23 +76,46 @@ class KvxferMetadata(KVConnectorMetadata):  # type: ignore[misc]
     plan: StepPlan
 
 
-def block_layout(vllm_config: VllmConfig) -> BlockLayout:
+def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """How K and V sit inside this engine's blocks: vLLM's KV cache layout (e.g. ``LBHNC``,
+    head-major blocks) and, on CPU, the attention kernel's in-block format (``vec``,
+    ``vec16``, ``amx``, ``neon``: how K rows are packed)."""
+    resolved = (getattr(kv_cache_config, "kv_cache_layout", None)
+                or vllm_config.cache_config.kv_cache_layout or "unresolved")
+    layout = str(getattr(resolved, "name", resolved))
+    if current_platform.device_type != "cpu":
+        return layout
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    return f"{layout}/cpu-{_get_attn_isa(model.dtype, cache.block_size, model.get_head_size())}"
+
+
+def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> BlockLayout:
     """This engine's block layout, from its config (see ``layout.BlockLayout``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
     dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
-    dtype_name = str(dtype).removeprefix("torch.")
-    attention = current_platform.device_type
-    if attention == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        attention = f"cpu/{_get_attn_isa(model.dtype, cache.block_size, model.get_head_size())}"
     return BlockLayout(
-        model=str(model.model), dtype=dtype_name, block_size=int(cache.block_size),
+        dtype=str(dtype).removeprefix("torch."), block_size=int(cache.block_size),
         num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(), tp_size=parallel.tensor_parallel_size,
-        vllm_version=vllm.__version__, attention=attention)
+        block_format=block_format(vllm_config, kv_cache_config))
+
+
+def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
+    """This engine's model (see ``model_identity``): its config, weights, quantization and
+    speculative set-up, fingerprinted; its name and the vLLM version, for the logs."""
+    model = vllm_config.model_config
+    spec = vllm_config.speculative_config
+    speculative = None if spec is None else {
+        "method": str(spec.method), "num_speculative_tokens": spec.num_speculative_tokens,
+        "draft": weights_of(spec.model, None) if spec.model else None}
+    return ModelIdentity(
+        fingerprint=fingerprint(model.hf_config.to_dict(), weights_of(str(model.model), model.revision),
+                                model.quantization, speculative),
+        name=str(model.model), vllm_version=vllm.__version__)
 
 
 def _plan_of(metadata: KVConnectorMetadata) -> StepPlan:
@@ -108,7 +133,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         settings = load_settings(dict(transfer.kv_connector_extra_config))
-        layout = block_layout(vllm_config)
+        layout = block_layout(vllm_config, kv_cache_config)
         engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -119,7 +144,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if role == KVConnectorRole.SCHEDULER:
             producer = bool(transfer.is_kv_producer)
             self._scheduler = SchedulerSide(
-                settings, layout, engine_id, producer=producer,
+                settings, layout, model_identity(vllm_config), engine_id, producer=producer,
                 consumer=bool(transfer.is_kv_consumer),
                 client=KvxferClient(settings.daemon, name=f"vllm {engine_id} scheduler")
                 if producer else None, interval=self._interval)

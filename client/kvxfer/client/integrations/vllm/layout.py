@@ -1,16 +1,17 @@
-"""What a prefill and a decode engine must agree on before any byte moves: their block layout.
+"""What a prefill and a decode engine's bytes must agree on before any byte moves: their block layout.
 
 kvxfer moves a vLLM block as opaque bytes: one block, all layers, is one
 page-major kvxfer page (layer ``l`` of the page holds layer ``l``'s block, as
 the engine's attention code lays it out). So the two engines must lay blocks
-out identically: same model, dtype, block size, layer count, KV heads, head
-size, tensor-parallel size, vLLM version and attention code path (on CPU the
-kernel's instruction set decides how K sits inside a block). ``BlockLayout``
-is that fingerprint; it travels in ``kv_transfer_params`` and the decode side
-refuses a mismatch, naming every difference. The daemon's pool must hold
-exactly such pages (``check_pool``), and the engine's KV caches exactly such
-blocks (``engine_blocks``); ``pool_flag`` writes the ``--pool`` flag of a daemon
-that does.
+out identically: dtype, block size, layer count, KV heads, head size,
+tensor-parallel size and the in-block format (``block_format``: how K and V sit
+inside a block, which on CPU the attention kernel's instruction set decides, and
+on GPU the KV cache layout, NHD or HND). ``BlockLayout`` is that description; it
+travels in ``kv_transfer_params`` and the decode side refuses a mismatch, naming
+every field that differs. Which model computed the bytes is the other half of
+compatibility (``model_identity``). The daemon's pool must hold exactly such
+pages (``check_pool``), and the engine's KV caches exactly such blocks
+(``engine_blocks``); ``pool_flag`` writes the ``--pool`` flag of a daemon that does.
 """
 
 from __future__ import annotations
@@ -33,15 +34,13 @@ from kvxfer.layout import MhaSpec
 class BlockLayout:
     """How one engine lays out a KV block (every field must match across the pair)."""
 
-    model: str
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_size: int
     tp_size: int
-    vllm_version: str
-    attention: str
+    block_format: str
 
     @property
     def block_bytes(self) -> int:
@@ -102,8 +101,8 @@ def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
         raise InvalidSpecError(f"{model_dir}: {kv_heads} KV heads do not split over {tp} ranks")
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = model_dtype(model_dir)
-    layout = BlockLayout(model_dir, dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
-                         head_dim, tp, "", "")
+    layout = BlockLayout(dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
+                         head_dim, tp, "")
     MhaSpec(layout.num_layers, layout.num_kv_heads, head_dim, head_dim, dtype, block_size,
             num_pages)  # validates
     return pool_flag(layout, name, num_pages)

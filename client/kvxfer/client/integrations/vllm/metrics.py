@@ -15,7 +15,7 @@ it through ``KvxferPromMetrics.observe``. The series, each with vLLM's ``engine`
   (``worker.WorkerSide.load_failures``);
 - ``vllm:kvxfer_failed_saves_total{reason}``: saves not offered, by reason;
 - ``vllm:kvxfer_refused_params_total{reason}``: requests whose ``kv_transfer_params`` were
-  refused before any block was allocated (malformed, another version or block layout):
+  refused before any block was allocated (malformed, another version, block layout or model):
   computed here like an ordinary prompt (``SchedulerSide.refusals``);
 - ``vllm:kvxfer_connector_errors_total{entry_point}``: connector calls that raised and
   were answered safely (``KvxferConnector.failures``).

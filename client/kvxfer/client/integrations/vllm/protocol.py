@@ -1,15 +1,17 @@
 """What the connector's halves tell each other, and what a prefill engine tells a decode engine.
 
 Between engines, through the proxy or router, ``kv_transfer_params`` follows vLLM's
-NixlConnector convention, in kvxfer's params **v1** (``docs/trust.md``): the proxy
+NixlConnector convention, in kvxfer's params **v2** (``docs/trust.md``): the router
 sends ``{"do_remote_decode": true}`` to the prefill engine (optionally
 ``"verify": true``); the prefill response carries ``{"do_remote_prefill": true,
-"do_remote_decode": false, "kvxfer": {"version": 1, ...}}`` (``KvxferParamsV1``:
-which daemon, which transfer, the block layout), which the proxy passes unchanged to
-the decode engine. Params are client input: ``parse_remote_prefill`` validates them
-strictly into typed records or a ``Refusal`` naming the reason, never raises, and
-nothing in them says how many tokens to load (the decode engine counts its own
-prompt).
+"do_remote_decode": false, "kvxfer": {"version": 2, ...}}`` (``KvxferParamsV2``:
+which daemon, which transfer, the block layout of the bytes, the model's identity),
+which the router passes unchanged to the decode engine. Compatibility is decided by
+bytes and model: the layouts must agree field by field and the model fingerprints
+must be equal; the model's name and the vLLM version travel only to be logged.
+Params are client input: ``parse_remote_prefill`` validates them strictly into typed
+records or a ``Refusal`` naming the reason, never raises, and nothing in them says how
+many tokens to load (the decode engine counts its own prompt).
 
 Within an engine, the scheduler half sends the worker half a ``StepPlan`` with
 every step: blocks to save into leased daemon pages (prefill), transfers to
@@ -19,15 +21,18 @@ request ended.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.model_identity import FINGERPRINT_CHARS, ModelIdentity
 
-#: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads.
-PARAMS_VERSION: Final = 1
+#: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads (v1
+#: compared model paths and vLLM versions; v2 compares the bytes and the model's fingerprint).
+PARAMS_VERSION: Final = 2
 #: A transfer id: printable ASCII without spaces (what the daemon's limits accept).
 TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
 #: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
@@ -36,37 +41,45 @@ PEER_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
 CAPABILITY_PATTERN = r"^[0-9a-f]{32}$"
 
 #: Why a request's params were not followed (the keys of ``SchedulerSide.refusals``):
-#: ``unsupported`` is a request whose KV the connector cannot bind to its prompt.
-RefusalReason = Literal["malformed", "version", "layout", "unsupported"]
+#: ``layout``, another block layout of the bytes; ``model``, another model (fingerprint);
+#: ``unsupported``, a request whose KV the connector cannot bind to its prompt.
+RefusalReason = Literal["malformed", "version", "layout", "model", "unsupported"]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class LayoutV1(_Strict):
+class LayoutV2(_Strict):
     """``BlockLayout`` as params carry it: every field, exact types."""
 
-    model: str = Field(max_length=4096)
     dtype: str = Field(max_length=64)
     block_size: int = Field(gt=0, le=1 << 20)
     num_layers: int = Field(gt=0, le=1 << 16)
     num_kv_heads: int = Field(gt=0, le=1 << 16)
     head_size: int = Field(gt=0, le=1 << 16)
     tp_size: int = Field(gt=0, le=1 << 16)
+    block_format: str = Field(max_length=256)
+
+
+class ModelV2(_Strict):
+    """``ModelIdentity`` as params carry it."""
+
+    fingerprint: str = Field(pattern=rf"^[0-9a-f]{{{FINGERPRINT_CHARS}}}$")
+    name: str = Field(max_length=4096)
     vllm_version: str = Field(max_length=256)
-    attention: str = Field(max_length=256)
 
 
-class KvxferParamsV1(_Strict):
-    """``kv_transfer_params["kvxfer"]``, version 1."""
+class KvxferParamsV2(_Strict):
+    """``kv_transfer_params["kvxfer"]``, version 2."""
 
-    version: Literal[1]
+    version: Literal[2]
     transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     peer: str = Field(pattern=PEER_PATTERN)
     capabilities: list[Annotated[str, Field(pattern=CAPABILITY_PATTERN)]] = Field(
         min_length=1, max_length=1 << 16, repr=False)
-    layout: LayoutV1
+    layout: LayoutV2
+    model: ModelV2
 
 
 @dataclass(frozen=True)
@@ -78,12 +91,14 @@ class RemotePrefill:
     peer: str
     capabilities: tuple[str, ...] = field(repr=False)
     layout: BlockLayout
+    model: ModelIdentity
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""
-        ours = KvxferParamsV1(version=PARAMS_VERSION, transfer_id=self.transfer_id,
+        ours = KvxferParamsV2(version=PARAMS_VERSION, transfer_id=self.transfer_id,
                               peer=self.peer, capabilities=list(self.capabilities),
-                              layout=LayoutV1(**self.layout.as_dict()))
+                              layout=LayoutV2(**self.layout.as_dict()),
+                              model=ModelV2(**dataclasses.asdict(self.model)))
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "kvxfer": ours.model_dump()}
 
@@ -96,10 +111,12 @@ class Refusal:
     detail: str
 
 
-def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refusal | None:
+def parse_remote_prefill(params: Any, ours: BlockLayout,
+                         our_model: ModelIdentity) -> RemotePrefill | Refusal | None:
     """What a decode request's ``kv_transfer_params`` ask for: None when no remote prefill
     (``do_remote_prefill`` absent or false), a ``RemotePrefill`` to load, or a ``Refusal``
-    (malformed, another version, another block layout than ``ours``). Never raises."""
+    (malformed, another version, another block layout than ``ours``, another model than
+    ``our_model``). Never raises."""
     asked = params.get("do_remote_prefill") if isinstance(params, dict) else None
     if asked is None or asked is False:
         return None
@@ -117,7 +134,7 @@ def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refu
         return Refusal("version", f"params version {_short(version)}; this connector reads "
                                   f"version {PARAMS_VERSION}")
     try:
-        parsed = KvxferParamsV1.model_validate(raw)
+        parsed = KvxferParamsV2.model_validate(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "kvxfer"
@@ -127,10 +144,16 @@ def parse_remote_prefill(params: Any, ours: BlockLayout) -> RemotePrefill | Refu
     if differences:
         return Refusal("layout", "the prefill engine's block layout differs from ours: "
                                  + "; ".join(differences))
+    theirs_model = ModelIdentity(**parsed.model.model_dump())
+    if theirs_model.fingerprint != our_model.fingerprint:
+        return Refusal("model", f"the prefill engine ran another model: fingerprint "
+                                f"{theirs_model.fingerprint} ({theirs_model.name!r}), ours "
+                                f"{our_model.fingerprint} ({our_model.name!r})")
     if len(parsed.capabilities) != theirs.tp_size:
         return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
                                     f"entries; expected one per rank ({theirs.tp_size})")
-    return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs)
+    return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs,
+                         theirs_model)
 
 
 def wants_remote_decode(params: Any) -> bool:

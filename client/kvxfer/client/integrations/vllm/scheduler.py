@@ -16,7 +16,7 @@ allocated blocks for them, the worker pulls the transfer's pages past the local
 hit (only those cross the wire) into leased pages of its own daemon and copies
 them into those blocks (``Load``). How many tokens is
 the engine's own prompt length, never a number from params. Params that are
-malformed, of another version or of another block layout are refused before
+malformed, of another version, block layout or model are refused before
 any block is allocated: the request is computed here like an ordinary prompt,
 and ``refusals`` counts it by reason (the log names each). A load that fails
 later is reported failed (``kv_load_failure_policy`` decides: recompute or
@@ -39,6 +39,7 @@ from typing import Any
 
 from kvxfer.client.integrations.vllm.digest import prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
 from kvxfer.client.integrations.vllm.protocol import (
     Load,
     Refusal,
@@ -64,10 +65,11 @@ FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 class SchedulerSide:
     """Plans saves (prefill) and loads (decode) step by step."""
 
-    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str, *,
-                 producer: bool, consumer: bool, client: KvxferClient | None,
+    def __init__(self, settings: ConnectorSettings, layout: BlockLayout, model: ModelIdentity,
+                 engine_id: str, *, producer: bool, consumer: bool, client: KvxferClient | None,
                  interval: IntervalStats | None = None) -> None:
         self._settings = settings
+        self._model = model
         #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
         self.interval = interval or IntervalStats()
         self._layout = layout
@@ -94,7 +96,7 @@ class SchedulerSide:
         Counted from the engine's own prompt; refused params load nothing (counted)."""
         if not self._consumer:
             return 0, False
-        remote = parse_remote_prefill(request.kv_transfer_params, self._layout)
+        remote = parse_remote_prefill(request.kv_transfer_params, self._layout, self._model)
         if isinstance(remote, Refusal):
             self._refuse(request, remote)
             return 0, False
@@ -244,4 +246,4 @@ class SchedulerSide:
         if save is None or request.status.name not in FINISHED_NORMALLY:
             return None
         return RemotePrefill(save.transfer_id, self._peer, save.capabilities,
-                             self._layout).to_params()
+                             self._layout, self._model).to_params()
