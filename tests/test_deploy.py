@@ -1,12 +1,13 @@
-"""The Kubernetes manifests and the Dockerfile, checked offline.
+"""The Kubernetes manifests and the Dockerfiles, checked offline.
 
 ``deploy/k8s/base`` and ``deploy/k8s/hugepages`` must render (``kubectl kustomize``),
 validate strictly against the Kubernetes schemas (kubernetes-validate), wire the
-sidecar as docs/how-to/kubernetes.md says, and pass the misconfiguration scans (checkov on the
-manifests and the Dockerfile, hadolint on the Dockerfile) with every skipped check
-justified. Each tool is first shown a known-bad input, so a tool that checks nothing
-fails the test. The tools live in ``.venv-deploy`` (``scripts/setup-deploy-tools.sh``):
-skipped without it, unless ``KVXFER_REQUIRE_DEPLOY_TOOLS=1`` (CI).
+sidecar as docs/how-to/kubernetes.md says, put vllm-router in front with kvxfer's
+policy, and pass the misconfiguration scans (checkov on the manifests and the
+Dockerfiles, hadolint on the Dockerfiles) with every skipped check justified. Each
+tool is first shown a known-bad input, so a tool that checks nothing fails the test.
+The tools live in ``.venv-deploy`` (``scripts/setup-deploy-tools.sh``): skipped
+without it, unless ``KVXFER_REQUIRE_DEPLOY_TOOLS=1`` (CI).
 """
 
 from __future__ import annotations
@@ -112,14 +113,14 @@ def test_kvxfer_runs_as_a_native_sidecar_beside_the_engine(rendered) -> None:
         assert f'"kv_role": "{kv_role}"' in engine["env"][0]["value"]
     assert roles == {"prefill", "decode"}
 
-    [service] = by_kind["Service"]
+    [service] = [s for s in by_kind["Service"] if s["metadata"]["name"] == "kvxfer-peers"]
     assert service["spec"]["clusterIP"] == "None"
     certificates = {c["spec"]["secretName"]: c["spec"] for c in by_kind["Certificate"]}
     for role in roles:
         cert = certificates[f"kvxfer-{role}-tls"]
         assert cert["commonName"] in config.peer_allow
         assert "*.kvxfer-peers.kvxfer.svc" in cert["dnsNames"]
-    [policy] = by_kind["NetworkPolicy"]
+    [policy] = [p for p in by_kind["NetworkPolicy"] if p["metadata"]["name"] == "kvxfer-peers"]
     peer_rule = policy["spec"]["ingress"][0]
     assert {p["port"] for p in peer_rule["ports"]} == {peer_port, config.ucx_port}
     assert peer_rule["from"][0]["podSelector"]["matchLabels"] == (
@@ -130,6 +131,36 @@ def test_kvxfer_runs_as_a_native_sidecar_beside_the_engine(rendered) -> None:
         pod = statefulset["spec"]["template"]["spec"]
         assert {v["name"]: v for v in pod["volumes"]}["pools"]["emptyDir"] == {"medium": "HugePages-2Mi"}
         assert pod["initContainers"][0]["resources"]["requests"]["hugepages-2Mi"] == "1Gi"
+
+
+def test_vllm_router_is_in_front_with_kvxfers_policy(rendered) -> None:
+    """The router disaggregates (prefill, then decode, passing kv_transfer_params as for
+    NixlConnector) over the engines' stable names, with the retry, circuit-breaker and
+    health-check flags the tests run it with (``ROUTER_POLICY``); its service selects it,
+    and the engines' HTTP port admits the router only."""
+    from kvxfer.client.integrations.vllm.deploy import ROUTER_POLICY
+
+    docs = _docs(rendered["base"])
+    [router] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm-router"]
+    namespace = router["metadata"]["namespace"]
+    [container] = router["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[:1] == ["--vllm-pd-disaggregation"] and args[args.index("--kv-connector") + 1] == "nixl"
+    engines = {s["spec"]["template"]["metadata"]["labels"]["kvxfer.dev/role"]: s for s in docs
+               if s["kind"] == "StatefulSet"}
+    for role, statefulset in engines.items():
+        [engine] = statefulset["spec"]["template"]["spec"]["containers"]
+        port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
+        host = f"{statefulset['metadata']['name']}-0.{statefulset['spec']['serviceName']}.{namespace}.svc"
+        assert args[args.index(f"--{role}") + 1] == f"http://{host}:{port}", role
+    policy = args[args.index("--policy"):]
+    assert policy == ROUTER_POLICY
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "vllm-router"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    [engines_policy] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvxfer-peers"]
+    http_rules = [r for r in engines_policy["spec"]["ingress"] if {"protocol": "TCP", "port": 8000} in r["ports"]]
+    assert [r["from"] for r in http_rules] == [[{"podSelector": {"matchLabels": labels}}]]
 
 
 PRIVILEGED_POD = """
@@ -157,8 +188,8 @@ def test_the_scans_find_no_misconfiguration(tools, rendered, tmp_path) -> None:
     for overlay, path in rendered.items():
         done = _run(*checkov, "--framework", "kubernetes", "-f", str(path))
         assert done.returncode == 0, f"{overlay}: {done.stdout}"
-    dockerfile = str(REPO / "docker" / "Dockerfile")
-    done = _run(*checkov, "--framework", "dockerfile", "-f", dockerfile)
-    assert done.returncode == 0, done.stdout
-    done = _run(tools / "hadolint", dockerfile)
-    assert done.returncode == 0, done.stdout
+    for dockerfile in (str(REPO / "docker" / "Dockerfile"), str(REPO / "docker" / "router.Dockerfile")):
+        done = _run(*checkov, "--framework", "dockerfile", "-f", dockerfile)
+        assert done.returncode == 0, f"{dockerfile}: {done.stdout}"
+        done = _run(tools / "hadolint", dockerfile)
+        assert done.returncode == 0, f"{dockerfile}: {done.stdout}"

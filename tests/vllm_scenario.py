@@ -5,7 +5,7 @@ usage: .venv-vllm/bin/python tests/vllm_scenario.py WORKDIR [--tp N] [--no-contr
 
 Runs under the vLLM environment: builds the tiny model, starts a single-engine
 baseline beside a disaggregated deployment (two kvxfer daemons, a prefill and
-a decode engine with KvxferConnector, the proxy), sends the same prompts to
+a decode engine with KvxferConnector, the development proxy), sends the same prompts to
 both, concurrently, and prints one JSON object: every answer's tokens and
 logprobs, the engines' and daemons' counters after each phase, and the
 connector's per-transfer records. The decode daemon is the tests' fault double
@@ -111,7 +111,10 @@ def main() -> None:
     baseline = VllmServer("baseline", model, workdir, tp=args.tp).spawn()
     try:
         free = free_port
-        # TCP ports where vllm-router (the trust phase) must reach the engines.
+        # TCP ports where vllm-router (the trust phase) must reach the engines. The phases
+        # before it go through kvxfer's development proxy, which keeps the X-Request-Id the
+        # fault double keys on and passes a client's kv_transfer_params ({"verify": true})
+        # on; vllm-router replaces both.
         ports = (free(), free(), free()) if args.controls else None
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,

@@ -214,6 +214,24 @@ def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"daemon": daemon, "pool": "kv", **extra}}
 
 
+#: How vllm-router treats kvxfer's engines (``VllmRouter.pd``, and deploy/k8s/base/router):
+#: a load that fails recomputes inside the decode engine and answers normally, so a
+#: retry is only for an engine that did not answer at all (a pod restarting), at most
+#: once, after a short backoff; an engine that fails 5 requests in a row is left alone
+#: for 30 s (the circuit breaker), and one that fails 3 health checks 10 s apart is taken
+#: out until it passes 2.
+ROUTER_POLICY = [
+    "--policy", "round_robin",
+    "--retry-max-retries", "2", "--retry-initial-backoff-ms", "200",
+    "--retry-max-backoff-ms", "2000",
+    "--cb-failure-threshold", "5", "--cb-success-threshold", "2",
+    "--cb-timeout-duration-secs", "30", "--cb-window-duration-secs", "60",
+    "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
+    "--health-check-timeout-secs", "5", "--health-failure-threshold", "3",
+    "--health-success-threshold", "2",
+]
+
+
 def free_port() -> int:
     """A TCP port on loopback that was free a moment ago (vllm-router reaches engines over TCP)."""
     with socket.socket() as probe:
@@ -240,7 +258,7 @@ class VllmRouter:
         """A router that disaggregates: ``prefill`` and ``decode`` are the engines' addresses;
         it listens on ``port`` (None: a free one)."""
         return cls(["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                    "--kv-connector", "nixl", "--policy", "round_robin"], log, port)
+                    "--kv-connector", "nixl", *ROUTER_POLICY], log, port)
 
     @classmethod
     def single(cls, engine: str, log: Path) -> VllmRouter:
@@ -313,6 +331,8 @@ class Disaggregation:
         self.prefill: VllmServer | None = None
         self.decode: VllmServer | None = None
         self._proxy: subprocess.Popen[bytes] | None = None
+        #: vllm-router in front, when ``router``.
+        self.vllm_router: VllmRouter | None = None
 
     def start(self) -> Disaggregation:
         """Start everything, in order; stop what started if anything fails."""
@@ -353,9 +373,9 @@ class Disaggregation:
         for engine in (self.prefill, self.decode):
             engine.wait_ready()
         if self.router:
-            router = self._stack.enter_context(VllmRouter.pd(
+            self.vllm_router = self._stack.enter_context(VllmRouter.pd(
                 self.prefill.address, self.decode.address, workdir / "router.log", front_port))
-            self.front_address = router.address
+            self.front_address = self.vllm_router.address
             return
         socket = workdir / "proxy.sock"
         where = ["--port", str(front_port)] if front_port else ["--uds", str(socket)]
