@@ -331,8 +331,6 @@ class Disaggregation:
         self.prefill: VllmServer | None = None
         self.decode: VllmServer | None = None
         self._proxy: subprocess.Popen[bytes] | None = None
-        #: vllm-router in front, when ``router``.
-        self.vllm_router: VllmRouter | None = None
 
     def start(self) -> Disaggregation:
         """Start everything, in order; stop what started if anything fails."""
@@ -373,9 +371,9 @@ class Disaggregation:
         for engine in (self.prefill, self.decode):
             engine.wait_ready()
         if self.router:
-            self.vllm_router = self._stack.enter_context(VllmRouter.pd(
+            router = self._stack.enter_context(VllmRouter.pd(
                 self.prefill.address, self.decode.address, workdir / "router.log", front_port))
-            self.front_address = self.vllm_router.address
+            self.front_address = router.address
             return
         socket = workdir / "proxy.sock"
         where = ["--port", str(front_port)] if front_port else ["--uds", str(socket)]
