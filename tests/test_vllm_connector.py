@@ -186,6 +186,38 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_d.shutdown()
 
 
+@pytest.mark.parametrize("lie", [True, False], ids=["lying-params", "negative-control"])
+def test_params_that_lie_about_the_prefill_engines_model_fail_at_the_prefill_daemon(
+        pair, monkeypatch, lie: bool) -> None:
+    """The prefill engine runs another model (another fingerprint); its params are edited to
+    claim the decode engine's, so the decode engine accepts them. The prefill daemon still
+    refuses the pull (PROMPT_MISMATCH): each side binds its prompt digest to its own model.
+    Negative control: digests bound to no engine (the old encoding) let the other model's
+    KV load."""
+    from kvxfer.client.integrations.vllm import scheduler
+
+    if not lie:
+        monkeypatch.setattr(scheduler, "engine_binding", lambda layout, fingerprint: b"")
+    pre, dec = pair
+    with KvxferClient(pre.worker_address) as p:
+        h = engines_on(pre, dec, p, seed=9)
+        other = ModelIdentity("f" * 32, "another-model", MODEL.vllm_version)
+        h.sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, other, "P", producer=True,
+                                  consumer=False, client=p)
+        params = h.prefill("liar-p", [3, 7])
+        assert params["kvxfer"]["model"]["fingerprint"] == other.fingerprint
+        params["kvxfer"]["model"]["fingerprint"] = MODEL.fingerprint
+        dreq = Request("liar-d", 64, params)
+        assert h.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
+        h.sched_d.update_state_after_alloc(dreq, [1, 2], 64)
+        h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))
+        h.work_d.start_load_kv()
+        wait_finished(h.work_d, "liar-d", timeout_s=30)
+        assert h.work_d.take_failed() == ({"liar-d"} if lie else set())
+        h.work_p.shutdown()
+        h.work_d.shutdown()
+
+
 def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) -> None:
     """The decode engine's prefix cache holds the first block: its page is not pulled (the
     daemons move 2 of the 3 pages), the block keeps its bytes, the others get the prefill's;

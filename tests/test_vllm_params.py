@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, MODEL, Request
 
-from kvxfer.client.integrations.vllm.digest import prompt_digest
+from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
@@ -204,7 +204,8 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
             [load] = decode.build_plan({}, lambda _: []).loads
             assert load.num_pages == len(blocks) and load.transfer_id == params["kvxfer"]["transfer_id"]
             assert load.capabilities == tuple(params["kvxfer"]["capabilities"])
-            assert load.prompt_digest == prompt_digest(request)
+            assert load.prompt_digest == prompt_digest(request, engine_binding(LAYOUT.as_dict(),
+                                                                                MODEL.fingerprint))
             assert decode.request_finished(request) is None
         else:
             assert got == (0, False), (params, outcome, got)
@@ -235,7 +236,7 @@ def test_every_refusal_names_what_was_wrong(params: tuple[Any, str]) -> None:
 
 
 @given(tokens=st.lists(st.integers(0, 1 << 40), max_size=50), salt=st.none() | st.text(max_size=8),
-       other=st.sampled_from(["token", "salt", "lora", "mm"]))
+       other=st.sampled_from(["token", "salt", "lora", "mm", "engine"]))
 def test_the_prompt_digest_changes_with_everything_the_kv_depends_on(tokens: list[int], salt: str | None,
                                                                     other: str) -> None:
     from types import SimpleNamespace
@@ -247,9 +248,14 @@ def test_the_prompt_digest_changes_with_everything_the_kv_depends_on(tokens: lis
     lora = SimpleNamespace(lora_name="adapter")
     image = SimpleNamespace(identifier="img-hash", mm_position=SimpleNamespace(offset=3))
     changed = {"token": {"prompt_token_ids": [*tokens, 7]}, "salt": {"cache_salt": (salt or "") + "x"},
-               "lora": {"lora_request": lora}, "mm": {"mm_features": [image]}}[other]
-    assert prompt_digest(request()) == prompt_digest(request())
-    assert prompt_digest(request()) != prompt_digest(request(**changed))
+               "lora": {"lora_request": lora}, "mm": {"mm_features": [image]}, "engine": {}}[other]
+    engine = engine_binding(LAYOUT.as_dict(), MODEL.fingerprint)
+    assert prompt_digest(request(), engine) == prompt_digest(request(), engine)
+    if other == "engine":  # another model computing the same prompt
+        assert prompt_digest(request(), engine) != prompt_digest(request(), engine_binding(
+            LAYOUT.as_dict(), "f" * 32))
+    else:
+        assert prompt_digest(request(), engine) != prompt_digest(request(**changed), engine)
     assert prompt_digest(request(prompt_embeds=object())) is None
 
 

@@ -37,7 +37,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvxfer.client.integrations.vllm.digest import prompt_digest
+from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
 from kvxfer.client.integrations.vllm.protocol import (
@@ -70,6 +70,8 @@ class SchedulerSide:
                  interval: IntervalStats | None = None) -> None:
         self._settings = settings
         self._model = model
+        #: What binds this engine's prompt digests to its model and layout.
+        self._engine = engine_binding(layout.as_dict(), model.fingerprint)
         #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
         self.interval = interval or IntervalStats()
         self._layout = layout
@@ -102,7 +104,7 @@ class SchedulerSide:
             return 0, False
         if remote is None:
             return 0, False
-        digest = prompt_digest(request)
+        digest = prompt_digest(request, self._engine)
         if digest is None:
             self._refuse(request, Refusal("unsupported", "a prompt given as embeddings: its KV "
                                                          "cannot be bound to it"))
@@ -203,7 +205,7 @@ class SchedulerSide:
 
     def _lease(self, request: Any, block_ids: list[int]) -> Save | None:
         assert self._client is not None
-        digest = prompt_digest(request)
+        digest = prompt_digest(request, self._engine)
         if digest is None:
             log.warning("request %s keeps its KV to itself: a prompt given as embeddings cannot "
                         "be bound to its KV; the decode engine will compute it", request.request_id)
