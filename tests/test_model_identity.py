@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,8 +18,11 @@ from kvxfer.client.integrations.vllm.model_identity import (
     HEAD_BYTES,
     SAMPLE_BYTES,
     UNSHAPING_CONFIG_KEYS,
+    checkpoint_config,
     fingerprint,
+    model_directory,
     weights_digest,
+    weights_of,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,6 +68,45 @@ def test_a_small_weight_file_is_read_whole(tmp_path: Path) -> None:
     assert weights_digest(small) != before
 
 
+def test_only_the_files_vllm_loads_count(tmp_path: Path) -> None:
+    """safetensors over other formats; with an index, only the shards it names."""
+    model = weights(tmp_path / "m")
+    alone = weights_digest(model)
+    (model / "training_args.bin").write_bytes(b"output_dir=/home/someone")
+    assert weights_digest(model) == alone  # safetensors present: .bin files are not loaded
+    (model / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model.safetensors", "b": "model.safetensors"}}))
+    (model / "consolidated.safetensors").write_bytes(b"another copy of the weights")
+    assert weights_digest(model) == alone
+
+
+def test_cached_hub_files_count_by_their_content_address(tmp_path: Path) -> None:
+    """A hub model in the local cache (as vLLM leaves it: snapshot links to blobs named by
+    their SHA-256) is found by id and revision; its digest is the blobs' names, and its
+    config the checkpoint's file. Not cached: the id and the resolved revision."""
+    cache, commit = tmp_path / "hub", "a" * 40
+    repo = cache / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name, blob in (("model.safetensors", "1" * 64), ("config.json", "2" * 64)):
+        (repo / "blobs" / blob).write_bytes(b"{}" if name == "config.json" else b"weights")
+        (snapshot / name).symlink_to(repo / "blobs" / blob)
+    revision = SimpleNamespace(resolved=commit)  # vLLM's ResolvedRevision
+    assert model_directory("org/tiny", revision, str(cache)) == snapshot
+    assert model_directory("org/tiny", "main", str(cache)) == snapshot
+    assert checkpoint_config(snapshot) == {}
+    cached = weights_of("org/tiny", revision, str(cache))
+    (repo / "blobs" / ("1" * 64)).write_bytes(b"not read: the name is the digest")
+    assert weights_of("org/tiny", revision, str(cache)) == cached
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(repo / "blobs" / ("2" * 64))
+    assert weights_of("org/tiny", revision, str(cache)) != cached
+    assert weights_of("org/absent", revision, str(cache)) == f"hub:org/absent@{commit}"
+
+
 @given(key=st.sampled_from(sorted(UNSHAPING_CONFIG_KEYS)), value=st.text(max_size=20))
 def test_where_a_model_was_saved_is_not_part_of_its_fingerprint(key: str, value: str) -> None:
     assert fingerprint({**CONFIG, key: value}, "w", None, None) == fingerprint(CONFIG, "w", None, None)
@@ -90,7 +134,7 @@ def test_everything_that_shapes_the_kv_is_part_of_the_fingerprint(change: str, v
 def test_real_engine_configs_fingerprint_the_model_not_its_path(tmp_path: Path) -> None:
     """vLLM's own config of the tiny model, of a copy at another path, and of a model of the
     same shapes with other weights (another seed): the first two share a fingerprint, the
-    third does not; the block layouts of all three are equal."""
+    third does not."""
     if not VLLM_PYTHON.exists():
         message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
         if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":

@@ -3,7 +3,7 @@
 ``python tests/vllm_model_identity.py WORKDIR`` builds the tiny model (seed 0), copies it to
 another path, builds a model of the same shapes from seed 1, and prints ``NAME FINGERPRINT``
 for each (``seed0``, ``copy0``, ``seed1``), computed by the connector's ``model_identity``
-from ``EngineArgs(...).create_engine_config()``; it fails unless their block layouts agree.
+from ``EngineArgs(...).create_engine_config()``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from vllm.engine.arg_utils import EngineArgs
 
-from kvxfer.client.integrations.vllm.connector import block_layout, model_identity
+from kvxfer.client.integrations.vllm.connector import model_identity
 from kvxfer.client.integrations.vllm.tiny_model import DTYPE, build
 
 
@@ -23,13 +23,10 @@ def main() -> None:
     models = {"seed0": build(str(workdir / "seed0"), seed=0)}
     models["copy0"] = Path(shutil.copytree(models["seed0"], workdir / "elsewhere" / "copy0"))
     models["seed1"] = build(str(workdir / "seed1"), seed=1)
-    layouts = set()
     for name, path in models.items():
         config = EngineArgs(model=str(path), dtype=DTYPE, block_size=32, max_model_len=512,
                             enforce_eager=True).create_engine_config()
-        layouts.add(block_layout(config, None))
         print(name, model_identity(config).fingerprint, flush=True)
-    assert len(layouts) == 1, layouts
 
 
 if __name__ == "__main__":

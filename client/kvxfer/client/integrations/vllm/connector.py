@@ -43,7 +43,13 @@ from vllm.platforms import current_platform
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
-from kvxfer.client.integrations.vllm.model_identity import ModelIdentity, fingerprint, weights_of
+from kvxfer.client.integrations.vllm.model_identity import (
+    ModelIdentity,
+    checkpoint_config,
+    fingerprint,
+    model_directory,
+    weights_of,
+)
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
@@ -105,16 +111,23 @@ def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
-    """This engine's model (see ``model_identity``): its config, weights, quantization and
-    speculative set-up, fingerprinted; its name and the vLLM version, for the logs."""
+    """This engine's model (see ``model_identity``): its checkpoint config with vLLM's
+    overrides, weights, online quantization and speculative draft, fingerprinted; its name
+    and the vLLM version, for the logs."""
     model = vllm_config.model_config
+    cache_dir = vllm_config.load_config.download_dir
+    directory = model_directory(str(model.model), model.revision, cache_dir)
+    config = checkpoint_config(directory) or model.hf_config.to_dict()
+    overrides = model.hf_overrides
+    if isinstance(overrides, dict) and overrides:
+        config = {**config, "vllm_hf_overrides": overrides}
+    online = None if "quantization_config" in config else model.quantization
     spec = vllm_config.speculative_config
-    speculative = None if spec is None else {
-        "method": str(spec.method), "num_speculative_tokens": spec.num_speculative_tokens,
-        "draft": weights_of(spec.model, None) if spec.model else None}
+    draft = ({"draft": weights_of(spec.model, getattr(spec, "revision", None), cache_dir)}
+             if spec and spec.model else None)
     return ModelIdentity(
-        fingerprint=fingerprint(model.hf_config.to_dict(), weights_of(str(model.model), model.revision),
-                                model.quantization, speculative),
+        fingerprint=fingerprint(config, weights_of(str(model.model), model.revision, cache_dir),
+                                online, draft),
         name=str(model.model), vllm_version=vllm.__version__)
 
 

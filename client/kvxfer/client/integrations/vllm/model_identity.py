@@ -2,27 +2,33 @@
 
 Two engines' KV blocks are interchangeable when their bytes are laid out alike
 (``layout.BlockLayout``) and the same model computed them. ``fingerprint`` hashes what
-decides the second: the model's config as Hugging Face records it (every field that
-shapes the forward pass: sizes, rope scaling, sliding windows, quantization config), its
-weights, the quantization method the engine applies and its speculative-decoding set-up.
-Where the model lives (its path, the name an operator serves it under), the vLLM version
-and the attention backend's name are not in it: the same model at another path, or under
-another vLLM release that lays blocks out alike, is compatible.
+decides the second: the checkpoint's own ``config.json`` (every field that shapes the
+forward pass: sizes, rope scaling, sliding windows, its quantization config; read from the
+file, not from the transformers object, whose defaults change between releases) with
+vLLM's ``hf_overrides``, the weights, an online quantization method (one the checkpoint
+does not record) and a speculative draft model's weights. Where the model lives (its path,
+the name an operator serves it under), the vLLM version and the attention backend's name
+are not in it: the same model at another path, or under another vLLM release that lays
+blocks out alike, is compatible.
 
-Weights are fingerprinted by sampling, so that a start reads kilobytes, not gigabytes:
-each weight file's name and size, its first MiB (a safetensors header lists every tensor's
-name, dtype, shape and offsets) and ``SAMPLES`` slices of 64 KiB spread evenly over it
-(xxh3-128). Another seed, a fine-tune or another checkpoint changes them; two files equal
-in every sampled byte but not elsewhere would pass. A model named by a hub id whose files
-are not in the local cache is fingerprinted by that id and revision instead.
+Weights: the files vLLM loads (the safetensors index's files, else every ``*.safetensors``,
+else the other weight formats), each by its name and content. A file in the Hugging Face
+cache is a link to a blob named by its SHA-256: that name is the digest, exact and free.
+Any other file is sampled, so that a start reads kilobytes, not gigabytes: its size, its
+first MiB (a safetensors header lists every tensor's name, dtype, shape and offsets) and
+``SAMPLES`` slices of 64 KiB spread evenly over it (xxh3-128). Another seed, a fine-tune or
+another checkpoint changes them; a change confined to bytes no slice covers would pass. A
+hub id whose files are not in the local cache is fingerprinted by its id and resolved
+revision instead.
 
-A request's LoRA adapter is bound per request, by the prompt digest (``digest``).
+A request's LoRA adapter is bound per request, by name, in the prompt digest (``digest``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,13 +61,33 @@ class ModelIdentity:
     vllm_version: str
 
 
+#: A Hugging Face cache blob's name: the SHA-256 of its content.
+BLOB_NAME = re.compile(r"^[0-9a-f]{64}$")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The weight files vLLM loads from ``directory``: those its safetensors index names,
+    else every ``*.safetensors``, else the other weight formats."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return sorted(directory / name for name in names)
+    present = [p for p in directory.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
+    preferred = [p for p in present if p.suffix == ".safetensors"] or present
+    return sorted(preferred)
+
+
 def weights_digest(directory: Path) -> str:
-    """The sampled digest of the weight files directly in ``directory`` ("" if none)."""
-    files = sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    """The digest of the weight files vLLM loads from ``directory`` ("" if none)."""
+    files = weight_files(directory)
     if not files:
         return ""
     digest = xxhash.xxh3_128()
     for path in files:
+        blob = path.resolve().name
+        if path.is_symlink() and BLOB_NAME.match(blob):  # the cache's content address
+            digest.update(f"{path.name}\0{blob}\0".encode())
+            continue
         size = path.stat().st_size
         digest.update(f"{path.name}\0{size}\0".encode())
         with open(path, "rb") as weights:
@@ -91,15 +117,41 @@ def fingerprint(config: dict[str, Any], weights: str, quantization: str | None,
     return hashlib.sha256(canonical.encode()).hexdigest()[:FINGERPRINT_CHARS]
 
 
-def weights_of(model: str, revision: str | None) -> str:
-    """The weights' digest for vLLM's ``model`` (a directory, or a hub id resolved in the
-    local cache), else ``hub:ID@REVISION``."""
+def model_directory(model: str, revision: Any, cache_dir: str | None = None) -> Path | None:
+    """The directory of vLLM's ``model``: itself, or for a hub id its snapshot in the local
+    cache (``cache_dir``, vLLM's ``--download-dir``, else Hugging Face's) at ``revision``
+    (vLLM's resolved revision, or a name); None if not cached."""
     directory = Path(model)
-    if not directory.is_dir():
-        try:
-            from huggingface_hub import snapshot_download
+    if directory.is_dir():
+        return directory
+    try:
+        from huggingface_hub import try_to_load_from_cache
 
-            directory = Path(snapshot_download(model, revision=revision, local_files_only=True))
-        except (ImportError, OSError, ValueError):  # not cached, not a hub id: the id is all
-            return f"hub:{model}@{revision or 'main'}"
-    return weights_digest(directory) or f"hub:{model}@{revision or 'main'}"
+        cached = try_to_load_from_cache(model, "config.json", cache_dir=cache_dir,
+                                        revision=resolved(revision))
+    except (ImportError, OSError, ValueError):  # not a hub id, or no cache
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def resolved(revision: Any) -> str | None:
+    """A revision as a commit where vLLM resolved it (its ``ResolvedRevision``), else as given."""
+    found = getattr(revision, "resolved", None) or revision
+    return str(found) if found else None
+
+
+def checkpoint_config(directory: Path | None) -> dict[str, Any] | None:
+    """The checkpoint's own ``config.json`` in ``directory``, if there is one."""
+    path = directory / "config.json" if directory is not None else None
+    if path is None or not path.is_file():
+        return None
+    config: dict[str, Any] = json.loads(path.read_text())
+    return config
+
+
+def weights_of(model: str, revision: Any, cache_dir: str | None = None) -> str:
+    """The weights' digest for vLLM's ``model`` (a directory, or a hub id resolved in the
+    local cache), else ``hub:ID@REVISION`` (the resolved commit where vLLM knows it)."""
+    directory = model_directory(model, revision, cache_dir)
+    found = weights_digest(directory) if directory is not None else ""
+    return found or f"hub:{model}@{resolved(revision) or 'main'}"
