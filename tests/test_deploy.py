@@ -153,14 +153,19 @@ def test_vllm_router_is_in_front_with_kvxfers_policy(rendered) -> None:
         port = next(p["containerPort"] for p in engine["ports"] if p["name"] == "http")
         host = f"{statefulset['metadata']['name']}-0.{statefulset['spec']['serviceName']}.{namespace}.svc"
         assert args[args.index(f"--{role}") + 1] == f"http://{host}:{port}", role
-    policy = args[args.index("--policy"):]
+    policy = args[args.index("--policy"):]  # the flags after it: kvxfer's policy
     assert policy == ROUTER_POLICY
     labels = router["spec"]["template"]["metadata"]["labels"]
     [service] = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "vllm-router"]
     assert service["spec"]["selector"].items() <= labels.items()
     [engines_policy] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "kvxfer-peers"]
     http_rules = [r for r in engines_policy["spec"]["ingress"] if {"protocol": "TCP", "port": 8000} in r["ports"]]
-    assert [r["from"] for r in http_rules] == [[{"podSelector": {"matchLabels": labels}}]]
+    assert [r["from"] for r in http_rules] == [[
+        {"podSelector": {"matchLabels": labels}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]]
+    probes = container["startupProbe"]
+    allowed_s = probes["periodSeconds"] * probes["failureThreshold"]
+    assert allowed_s > int(args[args.index("--worker-startup-timeout-secs") + 1])
 
 
 PRIVILEGED_POD = """

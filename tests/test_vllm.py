@@ -396,7 +396,7 @@ def test_with_policy_fail_a_failed_load_is_a_clean_error_and_the_engine_serves_o
 def test_no_log_holds_a_capability_with_request_logging_on(run) -> None:
     """Both engines run with --enable-log-requests: the decode engine's request logger wrote
     the params of the requests sent to it, with their capabilities redacted by kvxfer's vLLM
-    plugin (``kvxfer_redaction``), and no log of the deployment (engines, daemons,
+    plugin (``kvxfer_redaction``), and no log of the deployment (engines, daemons, proxy,
     vllm-router) holds any capability a prefill answer carried."""
     logged = run["trust"]["capabilities_logged"]
     assert logged["minted"] >= 9

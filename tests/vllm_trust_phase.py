@@ -195,7 +195,7 @@ def aborted_case(phase: Phase) -> None:
 
 
 def restart_cases(phase: Phase, router: VllmRouter) -> None:
-    """A daemon killed (SIGKILL) and restarted between requests (through vllm-router), then
+    """A daemon killed (SIGKILL) and restarted between requests (through the proxy), then
     under 3 requests in flight through vllm-router; each time, answers and how soon
     transfers moved again."""
     d, out = phase.d, phase.out
