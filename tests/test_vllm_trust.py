@@ -212,7 +212,7 @@ def test_params_replayed_for_another_prompt_do_not_load_its_kv(engines) -> None:
 def test_negative_control_without_the_prompt_digest_another_prompts_kv_loads(
         engines, monkeypatch) -> None:
     monkeypatch.setattr("kvxfer.client.integrations.vllm.scheduler.prompt_digest",
-                        lambda request: b"")
+                        lambda request, engine=b"": b"")
     rid, failed, got = forged_hand_off(engines, decode_seed=1)
     assert failed == set() and got  # KV of prompt A served as prompt B's, and nothing says so
 
