@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from vllm_env import vllm_python
 
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
@@ -21,7 +22,6 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_ENABLED = THP.exists() and "[never]" not in THP.read_text()
 
 
-VLLM_PYTHON = BENCHMARKS.parent / ".venv-vllm" / "bin" / "python"
 #: Where vllm_disagg.py says a disaggregated request's time to first token went.
 SEGMENTS = {"prefill", "to_decode", "to_start", "lease_and_pull", "transfer", "copy_in",
             "first_token"}
@@ -77,21 +77,11 @@ def test_transfer_latency_reports_every_case() -> None:
         assert got[f"{case}_cpu_ms_total"] == pytest.approx(sum(parts), abs=0.01)
 
 
-def require_vllm() -> None:
-    """Skip (fail, where CI requires it) when the vLLM environment is missing."""
-    if not VLLM_PYTHON.exists():
-        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
-        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.mark.timeout(600)
 def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
-    require_vllm()
     workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*"))
     got = run_benchmark("vllm_disagg.py", "--rounds", "1", "--lengths", "32,96", "--new-tokens", "4",
-                        "--json", timeout=500, python=str(VLLM_PYTHON))
+                        "--json", timeout=500, python=str(vllm_python()))
     assert set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*")) == workdirs, \
         "the benchmark left its work directory behind"
     for row in got["by_prompt_tokens"].values():
@@ -108,11 +98,10 @@ def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
 def test_the_nixl_benchmark_runs_every_deployment_through_vllm_router() -> None:
     """kvxfer P/D, NixlConnector P/D and the plain engine, each behind vllm-router, timed by
     vLLM's bench serve (the stock-NIXL phase is left out here: it busy-polls a core)."""
-    require_vllm()
     workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-vs-nixl-*"))
     got = run_benchmark("vllm_vs_nixl.py", "--rounds", "1", "--lengths", "64", "--prompts", "2",
                         "--new-tokens", "4", "--no-stock", "--json", timeout=500,
-                        python=str(VLLM_PYTHON))
+                        python=str(vllm_python()))
     assert set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-vs-nixl-*")) == workdirs, \
         "the benchmark left its work directory behind"
     row = got["side_by_side"]["64"]

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_env import vllm_python
 
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
 pytestmark = pytest.mark.slow  # vLLM's import takes about 10 s
 
 HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 #: What each entry point answers when its half raised (docs/trust.md, the failure contract).
 FALLBACKS = {
     "get_num_new_matched_tokens": "(0, False)",  # load nothing: computed here
@@ -37,12 +37,7 @@ FALLBACKS = {
 
 
 def entry_points(*args: str) -> dict[str, Any]:
-    if not VLLM_PYTHON.exists():
-        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
-        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "connector_guards.py"), *args],
+    out = subprocess.run([str(vllm_python()), str(HERE / "connector_guards.py"), *args],
                          capture_output=True, text=True, timeout=300, cwd=HERE,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-4000:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from vllm_env import vllm_python
 
 from kvxfer.client.integrations.vllm.model_identity import (
     HEAD_BYTES,
@@ -26,7 +26,6 @@ from kvxfer.client.integrations.vllm.model_identity import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_hidden_layers": 2,
           "rope_theta": 10000.0, "_name_or_path": "/models/tiny", "transformers_version": "4.57.0"}
 #: A weight file past its head: its sampled slices are spread over the rest.
@@ -135,12 +134,7 @@ def test_real_engine_configs_fingerprint_the_model_not_its_path(tmp_path: Path) 
     """vLLM's own config of the tiny model, of a copy at another path, and of a model of the
     same shapes with other weights (another seed): the first two share a fingerprint, the
     third does not."""
-    if not VLLM_PYTHON.exists():
-        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
-        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
-    out = subprocess.run([str(VLLM_PYTHON), str(REPO / "tests" / "vllm_model_identity.py"), str(tmp_path)],
+    out = subprocess.run([str(vllm_python()), str(REPO / "tests" / "vllm_model_identity.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=170)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("seed", "copy")))

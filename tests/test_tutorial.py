@@ -18,13 +18,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from vllm_env import vllm_python
 
 #: The parts run daemons, then vLLM engines, past the suite's default of 180 s.
 pytestmark = pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parent.parent
 TUTORIAL = REPO / "docs" / "tutorial.md"
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 FENCE = re.compile(r'^```(\w+)(?: title="([^"]+)")?\n(.*?)^```$', re.S | re.M)
 #: Any fence opening or closing, indented or not, with backticks or tildes.
 ANY_FENCE = re.compile(r"^\s*(```|~~~)", re.M)
@@ -103,11 +103,7 @@ def test_part_1_a_first_transfer() -> None:
 
 @pytest.mark.slow
 def test_part_2_disaggregated_vllm_behind_vllm_router() -> None:
-    if not VLLM_PYTHON.exists():
-        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
-        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    vllm_python()
     output = run_part(2, timeout_s=560)
     assert '"text_completion"' in output and '"completion_tokens":8' in output.replace(" ", "")
     assert "DONE" in output

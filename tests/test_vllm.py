@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_env import vllm_python
 
 from kvxfer.client.integrations.vllm.deploy import shm_segments
 from kvxfer.ucx_settings import LOOPBACK_ENV
@@ -27,20 +28,15 @@ from kvxfer.ucx_settings import LOOPBACK_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).resolve().parent
-VLLM_PYTHON = HERE.parent / ".venv-vllm" / "bin" / "python"
 
 
 def scenario(tmp_path_factory: pytest.TempPathFactory, *args: str,
              script: str = "vllm_scenario.py") -> dict[str, Any]:
     """What ``script`` (``vllm_scenario.py``) answered and counted (one to three minutes)."""
-    if not VLLM_PYTHON.exists():
-        message = f"{VLLM_PYTHON} is missing: run ./scripts/setup-vllm.sh (./scripts/test.sh does)"
-        if os.environ.get("KVXFER_REQUIRE_VLLM") == "1":
-            pytest.fail(message)
-        pytest.skip(message)
+    python = vllm_python()
     workdir = tmp_path_factory.mktemp("vllm")
     segments_before = shm_segments()
-    out = subprocess.run([str(VLLM_PYTHON), str(HERE / script), str(workdir), *args],
+    out = subprocess.run([str(python), str(HERE / script), str(workdir), *args],
                          capture_output=True, text=True, timeout=800,
                          env={**os.environ, **LOOPBACK_ENV})
     assert out.returncode == 0, out.stderr[-6000:] + log_tails(workdir)
