@@ -359,13 +359,12 @@ def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
 def test_when_one_rank_fails_the_request_fails_on_every_rank_at_once(run_tp2) -> None:
     """Rank 1's load is refused (a wrong capability for it alone) while rank 0's stalls (the
     decode daemon never asks for it): rank 1 aborts rank 0's transfer, so the request fails
-    (policy ``fail``) before the 30 s deadline of rank 0's transfer (0.3 s on an otherwise
-    idle machine, 41 s with the abort switched off). The bound is loose because two TP 2
-    engines on 2 cores still slowed some loads to 9-19 s here: the abort is proven by tp0's
-    state and reason."""
+    (policy ``fail``) without waiting for the 30 s deadline of rank 0's transfer. The proof
+    is tp0's state and reason, not a clock: only this abort ends tp0 ABORTED with rank 1's
+    reason. (0.3 s on an idle machine, but 34.6 s in a clean-clone CI run on 2 cores under
+    two TP 2 engines: a wall-clock bound here measured the host.)"""
     fail = run_tp2["fail_policy"]
     assert "HTTP 500" in fail["one_rank_failed"].get("error", ""), fail["one_rank_failed"]
-    assert fail["one_rank_failed_s"] < 25, fail["one_rank_failed_s"]
     transfers = fail["one_rank_transfers"]
     assert transfers["tp0"][0] == "ABORTED", transfers
     assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in transfers["tp0"][1], transfers
