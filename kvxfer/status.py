@@ -130,6 +130,15 @@ class LeaseUse:
 
 
 @dataclass(frozen=True)
+class OfferHold:
+    """An offer a decode engine still wants (to keep) or never will (to drop), named with the
+    capability its params carried."""
+
+    transfer_id: str
+    capability: str = field(repr=False)
+
+
+@dataclass(frozen=True)
 class LeaseInfo:
     """Pages a daemon leased to a holder: which, and for how much longer."""
 

@@ -1399,6 +1399,162 @@ class ListPeersResponse(_message.Message):
 Global___ListPeersResponse: _TypeAlias = ListPeersResponse  # noqa: Y015
 
 @_typing.final
+class OfferHold(_message.Message):
+    """An offer a decode engine still wants, named with the capability its params carried."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    CAPABILITY_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    capability: _builtins.str
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        capability: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferHold: _TypeAlias = OfferHold  # noqa: Y015
+
+@_typing.final
+class KeepOffersRequest(_message.Message):
+    """Keep offers of the prefill daemon at ``peer`` waiting for this node's pulls (a decode
+    engine whose requests wait in its queue): each one's deadline moves to ``keep_s`` from now,
+    and the lease that ends with it too, never past that daemon's --max-offer-s from the offer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_FIELD_NUMBER: _builtins.int
+    OFFERS_FIELD_NUMBER: _builtins.int
+    KEEP_S_FIELD_NUMBER: _builtins.int
+    peer: _builtins.str
+    """the prefill daemon's peer address, host:port"""
+    keep_s: _builtins.float
+    """0: this daemon's default transfer deadline"""
+    @_builtins.property
+    def offers(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferHold]: ...
+    def __init__(
+        self,
+        *,
+        peer: _builtins.str = ...,
+        offers: _abc.Iterable[Global___OfferHold] | None = ...,
+        keep_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_s", b"keep_s", "offers", b"offers", "peer", b"peer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepOffersRequest: _TypeAlias = KeepOffersRequest  # noqa: Y015
+
+@_typing.final
+class KeepOffersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMAINING_S_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def remaining_s(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Per offer, in order: the seconds it now waits; 0 when it was not kept (already pulled or
+        ended, never offered, or not open to this caller: the same answer for all three).
+        """
+
+    def __init__(
+        self,
+        *,
+        remaining_s: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["remaining_s", b"remaining_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepOffersResponse: _TypeAlias = KeepOffersResponse  # noqa: Y015
+
+@_typing.final
+class DropOffersRequest(_message.Message):
+    """Drop offers this node's engine will never pull (its request ended first, or loads nothing):
+    the prefill daemon at ``peer`` ends each one ABORTED with ``reason`` and frees its pages.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_FIELD_NUMBER: _builtins.int
+    OFFERS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    peer: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def offers(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferHold]: ...
+    def __init__(
+        self,
+        *,
+        peer: _builtins.str = ...,
+        offers: _abc.Iterable[Global___OfferHold] | None = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offers", b"offers", "peer", b"peer", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropOffersRequest: _TypeAlias = DropOffersRequest  # noqa: Y015
+
+@_typing.final
+class DropOffersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DROPPED_FIELD_NUMBER: _builtins.int
+    dropped: _builtins.int
+    """offers that ended here (the rest had ended, or were not open)"""
+    def __init__(
+        self,
+        *,
+        dropped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DropOffersResponse: _TypeAlias = DropOffersResponse  # noqa: Y015
+
+@_typing.final
+class PeerKeepOffersRequest(_message.Message):
+    """Between daemons: KeepOffersRequest without the peer (the caller is the puller's daemon)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFERS_FIELD_NUMBER: _builtins.int
+    KEEP_S_FIELD_NUMBER: _builtins.int
+    keep_s: _builtins.float
+    @_builtins.property
+    def offers(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferHold]: ...
+    def __init__(
+        self,
+        *,
+        offers: _abc.Iterable[Global___OfferHold] | None = ...,
+        keep_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_s", b"keep_s", "offers", b"offers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerKeepOffersRequest: _TypeAlias = PeerKeepOffersRequest  # noqa: Y015
+
+@_typing.final
 class DaemonInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

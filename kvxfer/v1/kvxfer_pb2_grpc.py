@@ -125,6 +125,16 @@ class KvxferStub:
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersResponse.FromString,
                 _registered_method=True)
+        self.KeepOffers = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/KeepOffers',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.FromString,
+                _registered_method=True)
+        self.DropOffers = channel.unary_unary(
+                '/kvxfer.v1.Kvxfer/DropOffers',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersResponse.FromString,
+                _registered_method=True)
 
 
 class KvxferServicer:
@@ -259,6 +269,20 @@ class KvxferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepOffers(self, request, context):
+        """Keep a prefill daemon's offers waiting while this node's engine still wants them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropOffers(self, request, context):
+        """Tell a prefill daemon to end offers this node's engine will never pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvxferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -351,6 +375,16 @@ def add_KvxferServicer_to_server(servicer, server):
                     servicer.ListPeers,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.ListPeersResponse.SerializeToString,
+            ),
+            'KeepOffers': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepOffers,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.SerializeToString,
+            ),
+            'DropOffers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropOffers,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -850,6 +884,60 @@ class Kvxfer:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def KeepOffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/KeepOffers',
+            kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropOffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.Kvxfer/DropOffers',
+            kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.DropOffersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class KvxferPeerStub:
     """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
@@ -891,6 +979,11 @@ class KvxferPeerStub:
                 '/kvxfer.v1.KvxferPeer/AbortTransfer',
                 request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferResponse.FromString,
+                _registered_method=True)
+        self.KeepOffers = channel.unary_unary(
+                '/kvxfer.v1.KvxferPeer/KeepOffers',
+                request_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerKeepOffersRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.FromString,
                 _registered_method=True)
 
 
@@ -941,6 +1034,13 @@ class KvxferPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepOffers(self, request, context):
+        """A puller's daemon keeps offers it still wants waiting (see KeepOffersRequest).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvxferPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -973,6 +1073,11 @@ def add_KvxferPeerServicer_to_server(servicer, server):
                     servicer.AbortTransfer,
                     request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferResponse.SerializeToString,
+            ),
+            'KeepOffers': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepOffers,
+                    request_deserializer=kvxfer_dot_v1_dot_kvxfer__pb2.PeerKeepOffersRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1139,6 +1244,33 @@ class KvxferPeer:
             '/kvxfer.v1.KvxferPeer/AbortTransfer',
             kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferRequest.SerializeToString,
             kvxfer_dot_v1_dot_kvxfer__pb2.AbortTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepOffers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.KvxferPeer/KeepOffers',
+            kvxfer_dot_v1_dot_kvxfer__pb2.PeerKeepOffersRequest.SerializeToString,
+            kvxfer_dot_v1_dot_kvxfer__pb2.KeepOffersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,6 +81,10 @@ class KvxferStub:
     """The daemon's version, peer address and memory epoch."""
     ListPeers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]
     """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
+    KeepOffers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.KeepOffersRequest, _kvxfer_pb2.KeepOffersResponse]
+    """Keep a prefill daemon's offers waiting while this node's engine still wants them."""
+    DropOffers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.DropOffersRequest, _kvxfer_pb2.DropOffersResponse]
+    """Tell a prefill daemon to end offers this node's engine will never pull."""
 
 @_typing.type_check_only
 class KvxferAsyncStub(KvxferStub):
@@ -127,6 +131,10 @@ class KvxferAsyncStub(KvxferStub):
     """The daemon's version, peer address and memory epoch."""
     ListPeers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListPeersRequest, _kvxfer_pb2.ListPeersResponse]  # type: ignore[assignment]
     """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
+    KeepOffers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.KeepOffersRequest, _kvxfer_pb2.KeepOffersResponse]  # type: ignore[assignment]
+    """Keep a prefill daemon's offers waiting while this node's engine still wants them."""
+    DropOffers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.DropOffersRequest, _kvxfer_pb2.DropOffersResponse]  # type: ignore[assignment]
+    """Tell a prefill daemon to end offers this node's engine will never pull."""
 
 class KvxferServicer(metaclass=_abc_1.ABCMeta):
     """For inference workers on the daemon's node (a unix socket by default)."""
@@ -279,6 +287,22 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kvxfer_pb2.ListPeersResponse, _abc.Awaitable[_kvxfer_pb2.ListPeersResponse]]:
         """The daemon's sessions with peer daemons, with their data plane (kvxfer status)."""
 
+    @_abc_1.abstractmethod
+    def KeepOffers(
+        self,
+        request: _kvxfer_pb2.KeepOffersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.KeepOffersResponse, _abc.Awaitable[_kvxfer_pb2.KeepOffersResponse]]:
+        """Keep a prefill daemon's offers waiting while this node's engine still wants them."""
+
+    @_abc_1.abstractmethod
+    def DropOffers(
+        self,
+        request: _kvxfer_pb2.DropOffersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.DropOffersResponse, _abc.Awaitable[_kvxfer_pb2.DropOffersResponse]]:
+        """Tell a prefill daemon to end offers this node's engine will never pull."""
+
 def add_KvxferServicer_to_server(servicer: KvxferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class KvxferPeerStub:
@@ -302,6 +326,8 @@ class KvxferPeerStub:
     """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest)."""
     AbortTransfer: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortTransferRequest, _kvxfer_pb2.AbortTransferResponse]
     """End a transfer on the other daemon too (see AbortTransferRequest)."""
+    KeepOffers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.PeerKeepOffersRequest, _kvxfer_pb2.KeepOffersResponse]
+    """A puller's daemon keeps offers it still wants waiting (see KeepOffersRequest)."""
 
 @_typing.type_check_only
 class KvxferPeerAsyncStub(KvxferPeerStub):
@@ -322,6 +348,8 @@ class KvxferPeerAsyncStub(KvxferPeerStub):
     """A receiver asks the sender to push an offered transfer to it (see RequestPushRequest)."""
     AbortTransfer: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortTransferRequest, _kvxfer_pb2.AbortTransferResponse]  # type: ignore[assignment]
     """End a transfer on the other daemon too (see AbortTransferRequest)."""
+    KeepOffers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.PeerKeepOffersRequest, _kvxfer_pb2.KeepOffersResponse]  # type: ignore[assignment]
+    """A puller's daemon keeps offers it still wants waiting (see KeepOffersRequest)."""
 
 class KvxferPeerServicer(metaclass=_abc_1.ABCMeta):
     """For other kvxfer daemons (host:port, mutual TLS): sessions, liveness and the rendezvous
@@ -375,5 +403,13 @@ class KvxferPeerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.AbortTransferResponse, _abc.Awaitable[_kvxfer_pb2.AbortTransferResponse]]:
         """End a transfer on the other daemon too (see AbortTransferRequest)."""
+
+    @_abc_1.abstractmethod
+    def KeepOffers(
+        self,
+        request: _kvxfer_pb2.PeerKeepOffersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvxfer_pb2.KeepOffersResponse, _abc.Awaitable[_kvxfer_pb2.KeepOffersResponse]]:
+        """A puller's daemon keeps offers it still wants waiting (see KeepOffersRequest)."""
 
 def add_KvxferPeerServicer_to_server(servicer: KvxferPeerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -26,6 +26,7 @@ from kvxfer.status import (
     DataPlane,
     LeaseInfo,
     LeaseUse,
+    OfferHold,
     PeerSessionInfo,
     TransferInfo,
     TransferRole,
@@ -201,6 +202,16 @@ def lease_use_to_proto(use: LeaseUse) -> pb.LeaseUse:
 def lease_use_from_proto(msg: pb.LeaseUse) -> LeaseUse:
     """Decode a verb's ``LeaseUse``."""
     return LeaseUse(msg.lease_id, msg.release_lease, msg.arena_epoch)
+
+
+def holds_to_proto(holds: Iterable[OfferHold]) -> list[pb.OfferHold]:
+    """Offers kept or dropped, as their messages."""
+    return [pb.OfferHold(transfer_id=h.transfer_id, capability=h.capability) for h in holds]
+
+
+def holds_from_proto(msgs: Iterable[pb.OfferHold]) -> list[OfferHold]:
+    """Decode offers kept or dropped (their ids and capabilities are checked where used)."""
+    return [OfferHold(m.transfer_id, m.capability) for m in msgs]
 
 
 # -- pools -------------------------------------------------------------------------------

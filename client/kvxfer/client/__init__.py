@@ -8,6 +8,6 @@
 
 from kvxfer.client.handoff import Handoff, hand_off
 from kvxfer.client.library import AttachedPool, KvxferClient
-from kvxfer.status import TransferInfo
+from kvxfer.status import OfferHold, TransferInfo
 
-__all__ = ["AttachedPool", "Handoff", "KvxferClient", "TransferInfo", "hand_off"]
+__all__ = ["AttachedPool", "Handoff", "KvxferClient", "OfferHold", "TransferInfo", "hand_off"]

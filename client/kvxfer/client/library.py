@@ -18,7 +18,7 @@ Errors from the daemon arrive as typed ``kvxfer.errors`` exceptions.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -31,11 +31,19 @@ from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.propagation import WORKER_NAME_KEY, outgoing_metadata
-from kvxfer.status import Completions, LeaseInfo, LeaseUse, PeerSessionInfo, TransferInfo
+from kvxfer.status import (
+    Completions,
+    LeaseInfo,
+    LeaseUse,
+    OfferHold,
+    PeerSessionInfo,
+    TransferInfo,
+)
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.wire.codec import (
     extents_from_proto,
+    holds_to_proto,
     info_from_proto,
     lease_from_proto,
     lease_use_to_proto,
@@ -313,6 +321,22 @@ class KvxferClient:
                            reply.missed, reply.epoch)
 
     # -- page leases ----------------------------------------------------------------------
+
+    def keep_offers(self, peer: str, offers: Sequence[OfferHold],
+                    keep_s: float = 0.0) -> list[float]:
+        """Keep the offers of the prefill daemon at ``peer`` waiting ``keep_s`` seconds more
+        (0: the daemon's default deadline) for pulls from here; the seconds each now waits
+        (0: not kept: pulled, ended, or not open to this daemon)."""
+        reply = self._call(self._stub.KeepOffers, pb.KeepOffersRequest(
+            peer=peer, offers=holds_to_proto(offers), keep_s=keep_s))
+        return list(reply.remaining_s)
+
+    def drop_offers(self, peer: str, offers: Sequence[OfferHold], reason: str = "") -> int:
+        """End offers of the prefill daemon at ``peer`` that nothing here will pull (their
+        pages are free there at once); how many ended."""
+        reply = self._call(self._stub.DropOffers, pb.DropOffersRequest(
+            peer=peer, offers=holds_to_proto(offers), reason=reason))
+        return reply.dropped
 
     def allocate(self, pool: str, pages: int, lease_s: float = 0.0, holder: str = "") -> LeaseInfo:
         """Lease ``pages`` free pages of ``pool`` (for ``lease_s`` seconds; 0: the daemon's

@@ -182,6 +182,11 @@ class DaemonConfig(BaseSettings):
         ABOVE_ZERO, gt=0)
     default_timeout_s: float = _setting(30.0, "deadline of a transfer registered without one",
                                         ABOVE_ZERO, gt=0)
+    max_offer_s: float = _setting(
+        600.0, "the longest an offer can be kept waiting for its pull by the decode daemon "
+               "that wants it (KeepOffers: its engine's request is still queued); past it the "
+               "offer ends and its pages are free", "a number above 0, at most 3600",
+        gt=0, le=3600)
     grace_s: float = _setting(5.0, "seconds running transfers get to finish at shutdown",
                               "0 or more seconds", ge=0)
     lease_s: float = _setting(60.0, "how long a page lease lasts when its holder names no "

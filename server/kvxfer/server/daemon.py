@@ -205,7 +205,8 @@ class Daemon:
         self.transfers = TransferCoordinator(registry, leases, sender, receiver, self._clients,
                                              self.sessions, peer_address=advertise,
                                              authenticated_peers=self._tls is not None,
-                                             epoch=self.pools.epoch)
+                                             epoch=self.pools.epoch,
+                                             max_offer_s=config.max_offer_s)
         self.transfers.start()
         sessions = self.sessions
         self.metrics.track(transport.posted_requests, lambda: sessions.inbound_count,

@@ -8,7 +8,7 @@ one for gRPC's own failures), its message prefixed with the peer's address.
 
 Retries are gRPC's own (a service config on the channel), for the calls that
 are safe to repeat: a handshake (a session whose reply was lost is dropped by
-the peer when no Watch stream follows) and an abort (idempotent), on
+the peer when no Watch stream follows), an abort and a keep (idempotent), on
 UNAVAILABLE only. A claim, a commit or a push request is never repeated.
 Each call carries the caller's trace context and its round trip is measured
 (``kvxfer_peer_call_seconds``).
@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from kvxfer.errors import DialNotAllowedError
+from kvxfer.errors import DialNotAllowedError, InternalError
 from kvxfer.propagation import outgoing_metadata
 from kvxfer.server.dial_policy import LOOPBACK, DialPolicy
 from kvxfer.server.metrics import DaemonMetrics
@@ -45,17 +45,18 @@ from kvxfer.server.peer_protocol import (
     started_from_proto,
 )
 from kvxfer.server.tls import PeerTls
-from kvxfer.status import TransferInfo
+from kvxfer.status import OfferHold, TransferInfo
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxfer.wire.codec import info_from_proto
+from kvxfer.wire.codec import holds_to_proto, info_from_proto
 from kvxfer.wire.status import from_rpc_error
 
 PEER_SERVICE = pb.DESCRIPTOR.services_by_name["KvxferPeer"].full_name
 #: Safe-to-repeat calls are retried on UNAVAILABLE by gRPC itself.
 SERVICE_CONFIG = json.dumps({"methodConfig": [{
     "name": [{"service": PEER_SERVICE, "method": "Handshake"},
-             {"service": PEER_SERVICE, "method": "AbortTransfer"}],
+             {"service": PEER_SERVICE, "method": "AbortTransfer"},
+             {"service": PEER_SERVICE, "method": "KeepOffers"}],
     "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
                     "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]},
 }]})
@@ -161,6 +162,17 @@ class PeerClient:
     async def abort_transfer(self, abort: PeerAbort, timeout_s: float) -> None:
         """Tell the peer a transfer ended here."""
         await self._call("AbortTransfer", abort_to_proto(abort), timeout_s)
+
+    async def keep_offers(self, holds: list[OfferHold], keep_s: float,
+                          timeout_s: float) -> list[float]:
+        """Keep the peer's offers ``holds`` waiting ``keep_s`` more; the seconds each now waits
+        (0: not kept)."""
+        reply = await self._call("KeepOffers", pb.PeerKeepOffersRequest(
+            offers=holds_to_proto(holds), keep_s=keep_s), timeout_s)
+        if len(reply.remaining_s) != len(holds):
+            raise InternalError(f"{self._prefix}answered {len(reply.remaining_s)} figures for "
+                                f"{len(holds)} offers kept")
+        return list(reply.remaining_s)
 
 
 class PeerClients:

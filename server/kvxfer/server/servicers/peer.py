@@ -29,7 +29,7 @@ from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.coordinator import TransferCoordinator
 from kvxfer.v1 import kvxfer_pb2 as pb
 from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
-from kvxfer.wire.codec import info_to_proto
+from kvxfer.wire.codec import holds_from_proto, info_to_proto
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -93,3 +93,11 @@ class PeerService(pb_grpc.KvxferPeerServicer):
         with _audited(caller, "abort", request.transfer_id, request.session_id):
             self._transfers.abort_from_peer(abort_from_proto(request), caller)
         return pb.AbortTransferResponse()
+
+    async def KeepOffers(self, request: pb.PeerKeepOffersRequest,
+                         context: Context) -> pb.KeepOffersResponse:
+        caller = Caller.of(context)
+        holds = holds_from_proto(request.offers)
+        with _audited(caller, "keep-offers", ",".join(h.transfer_id for h in holds), ""):
+            remaining = self._transfers.offers.keep(holds, request.keep_s, caller)
+        return pb.KeepOffersResponse(remaining_s=remaining)

@@ -21,6 +21,7 @@ from kvxfer.v1 import kvxfer_pb2_grpc as pb_grpc
 from kvxfer.version import __version__
 from kvxfer.wire.codec import (
     extents_to_proto,
+    holds_from_proto,
     info_to_proto,
     lease_to_proto,
     lease_use_from_proto,
@@ -163,3 +164,18 @@ class WorkerService(pb_grpc.KvxferServicer):
 
     async def ListPeers(self, request: pb.ListPeersRequest, context: Context) -> pb.ListPeersResponse:
         return pb.ListPeersResponse(peers=[peer_session_to_proto(p) for p in self._sessions.describe()])
+
+    async def KeepOffers(self, request: pb.KeepOffersRequest,
+                         context: Context) -> pb.KeepOffersResponse:
+        remaining = await self._transfers.offers.keep_at(
+            request.peer, holds_from_proto(request.offers), request.keep_s)
+        return pb.KeepOffersResponse(remaining_s=remaining)
+
+    async def DropOffers(self, request: pb.DropOffersRequest,
+                         context: Context) -> pb.DropOffersResponse:
+        holds = holds_from_proto(request.offers)
+        declared = dict(context.invocation_metadata() or ()).get(WORKER_NAME_KEY, "")
+        with audited(f"worker={str(declared)[:80]!r} at={context.peer()!r}", "drop-offers",
+                     ",".join(h.transfer_id for h in holds)):
+            dropped = await self._transfers.offers.drop_at(request.peer, holds, request.reason)
+        return pb.DropOffersResponse(dropped=dropped)

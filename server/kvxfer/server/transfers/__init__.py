@@ -23,9 +23,13 @@ Pull is the same with one step before: ``pull`` on D registers the expectation
 and asks P (``RequestPush``) to push once its ``offer`` is there. When P holds a
 session it opened to D, the ask places the pages (where they go, the tag base,
 the lanes): P skips steps 1 and 2, sends at once and answers with its runs, and
-D posts the receives then, so a pull costs one round trip.
+D posts the receives then, so a pull costs one round trip. While D's engine still
+wants an offer it has not pulled yet (its request waits in the engine's queue), D keeps
+it waiting at P (``KeepOffers``), and drops it when the engine never will
+(``offer_keeping``).
 
 Modules: ``record`` (one side of a transfer and the table of its states),
 ``registry`` (registration, lookup for peers, retention, endings), ``planning``
-(chunks and tags), ``sender``, ``receiver``, and ``coordinator`` (the verbs).
+(chunks and tags), ``sender``, ``receiver``, ``offer_keeping``, and ``coordinator``
+(the verbs).
 """

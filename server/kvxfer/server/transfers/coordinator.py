@@ -5,7 +5,8 @@ timer that ends it with DEADLINE_EXCEEDED), a transfer's lease (when the lease
 ends first, the transfer fails), ending a transfer on the other side too (an
 abort, a deadline, a shutdown tell the peer), who may end it from there (the
 session that claimed it; before a claim, the peer it names, or any admitted
-peer if it names none), and the shutdown itself.
+peer if it names none), and the shutdown itself. Offers kept alive or dropped by their
+puller are ``offers`` (``offer_keeping``).
 Background work it starts is tracked and awaited or cancelled at shutdown.
 """
 
@@ -34,6 +35,7 @@ from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, Pu
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
+from kvxfer.server.transfers.offer_keeping import OfferKeeping
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
@@ -65,7 +67,8 @@ class TransferCoordinator:
 
     def __init__(self, registry: TransferRegistry, leases: PageLeases, sender: Sender,
                  receiver: Receiver, clients: PeerClients, sessions: Sessions, *,
-                 peer_address: str, authenticated_peers: bool, epoch: str) -> None:
+                 peer_address: str, authenticated_peers: bool, epoch: str,
+                 max_offer_s: float) -> None:
         self.registry = registry
         self.leases = leases
         self._sender = sender
@@ -77,6 +80,9 @@ class TransferCoordinator:
         self._epoch = epoch
         self._background: set[asyncio.Task[None]] = set()
         self._lease_watch: asyncio.Task[None] | None = None
+        #: Offers kept waiting for their puller, or dropped by it.
+        self.offers = OfferKeeping(registry, leases, clients, max_offer_s=max_offer_s,
+                                   expire=self._expire)
 
     def start(self) -> None:
         """Start failing the transfers whose lease ends before they do."""
