@@ -50,6 +50,7 @@ from kvxfer.client.integrations.vllm.model_identity import (
     model_directory,
     weights_of,
 )
+from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
 from kvxfer.client.integrations.vllm.protocol import StepPlan
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
@@ -154,13 +155,18 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.failures: Counter[str] = Counter()
         #: This interval's figures for vLLM's metrics (``metrics``).
         self._interval = IntervalStats()
+        self._keeper: OfferKeeper | None = None
         if role == KVConnectorRole.SCHEDULER:
-            producer = bool(transfer.is_kv_producer)
+            producer, consumer = bool(transfer.is_kv_producer), bool(transfer.is_kv_consumer)
+            if consumer and settings.keep_every_s > 0:
+                self._keeper = OfferKeeper(
+                    KvxferClient(settings.daemon, name=f"vllm {engine_id} offer keeper"),
+                    every_s=settings.keep_every_s, keep_s=settings.timeout_s)
             self._scheduler = SchedulerSide(
                 settings, layout, model_identity(vllm_config), engine_id, producer=producer,
-                consumer=bool(transfer.is_kv_consumer),
+                consumer=consumer,
                 client=KvxferClient(settings.daemon, name=f"vllm {engine_id} scheduler")
-                if producer else None, interval=self._interval)
+                if producer else None, interval=self._interval, keeper=self._keeper)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -186,6 +192,10 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        self._guarded("on_new_request", lambda: self._sched().on_new_request(request),
+                      lambda: None)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -294,3 +304,5 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         if self._worker is not None:
             self._guarded("shutdown", self._worker.shutdown, lambda: None)
+        if self._keeper is not None:
+            self._guarded("shutdown", self._keeper.close, lambda: None)

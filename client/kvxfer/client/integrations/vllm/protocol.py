@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import FINGERPRINT_CHARS, ModelIdentity
+from kvxfer.status import OfferHold
 
 #: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads (v1
 #: compared model paths and vLLM versions; v2 compares the bytes and the model's fingerprint).
@@ -92,6 +93,11 @@ class RemotePrefill:
     capabilities: tuple[str, ...] = field(repr=False)
     layout: BlockLayout
     model: ModelIdentity
+
+    def holds(self) -> list[OfferHold]:
+        """Its offers, one per prefill rank, with their capabilities (to keep or drop them)."""
+        return [OfferHold(rank_transfer(self.transfer_id, rank, len(self.capabilities)), cap)
+                for rank, cap in enumerate(self.capabilities)]
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""

@@ -21,7 +21,9 @@ any block is allocated: the request is computed here like an ordinary prompt,
 and ``refusals`` counts it by reason (the log names each). A load that fails
 later is reported failed (``kv_load_failure_policy`` decides: recompute or
 fail). A request that ends while its load is pending is cancelled in the next
-plan; its load is reported finished so vLLM frees its blocks.
+plan; its load is reported finished so vLLM frees its blocks. While a request waits in
+the queue its offers are kept alive, and a request that will never pull them (it ended
+first, or loads nothing) drops them (``offer_keeper``).
 
 Every entry point vLLM calls is wrapped by the connector (``connector.py``): no
 exception from here reaches vLLM's scheduler loop.
@@ -40,6 +42,7 @@ from typing import Any
 from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
+from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
 from kvxfer.client.integrations.vllm.protocol import (
     Load,
     Refusal,
@@ -67,7 +70,7 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, layout: BlockLayout, model: ModelIdentity,
                  engine_id: str, *, producer: bool, consumer: bool, client: KvxferClient | None,
-                 interval: IntervalStats | None = None) -> None:
+                 interval: IntervalStats | None = None, keeper: OfferKeeper | None = None) -> None:
         self._settings = settings
         self._model = model
         #: What binds this engine's prompt digests to its model and layout.
@@ -78,6 +81,8 @@ class SchedulerSide:
         self._engine_id = engine_id
         self._producer, self._consumer = producer, consumer
         self._client = client
+        #: Keeps the offers of queued decode requests alive (None: not a consumer, or off).
+        self._keeper = keeper
         self._peer = client.peer_address() if client is not None and producer else ""
         self._to_save: dict[str, Any] = {}       # req id -> vLLM Request
         self._saved: dict[str, Save] = {}
@@ -91,6 +96,21 @@ class SchedulerSide:
         self.refusals: Counter[str] = Counter()
 
     # -- decode --------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """A request arrived: if it will load a remote prefill, keep its offers alive while
+        it waits in the queue (params refused here are refused and counted when it is
+        scheduled)."""
+        if not self._consumer or self._keeper is None:
+            return
+        remote = parse_remote_prefill(request.kv_transfer_params, self._layout, self._model)
+        if isinstance(remote, RemotePrefill):
+            self._keeper.want(request.request_id, remote.peer, remote.holds())
+
+    def _drop_offers(self, request: Any, why: str) -> None:
+        """``request`` will not pull its offers: they end at the prefill daemon now."""
+        if self._keeper is not None:
+            self._keeper.drop(request.request_id, why)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """The prompt tokens a remote prefill holds beyond the local hit: loaded asynchronously.
@@ -108,9 +128,11 @@ class SchedulerSide:
         if digest is None:
             self._refuse(request, Refusal("unsupported", "a prompt given as embeddings: its KV "
                                                          "cannot be bound to it"))
+            self._drop_offers(request, "a prompt given as embeddings loads nothing")
             return 0, False
         count = int(request.num_prompt_tokens) - num_computed_tokens
         if count <= 0:
+            self._drop_offers(request, "its whole prompt was cached here")
             return 0, False
         self._local_computed[request.request_id] = num_computed_tokens
         self._remote[request.request_id] = (remote, digest)
@@ -118,6 +140,7 @@ class SchedulerSide:
 
     def forget(self, request: Any) -> tuple[int, bool]:
         """Load nothing for ``request`` (after a failure): it is computed here."""
+        self._drop_offers(request, "its load could not be planned; computed here")
         self._remote.pop(request.request_id, None)
         self._local_computed.pop(request.request_id, None)
         return 0, False
@@ -160,7 +183,10 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one transfer per request, however often we are called
         local = self._local_computed.pop(request.request_id, 0)
         if num_external_tokens <= 0:
+            self._drop_offers(request, "vLLM loads none of its tokens")
             return
+        if self._keeper is not None:
+            self._keeper.stop(request.request_id)  # its pull takes the offers now
         block_size = self._layout.block_size
         num_pages = math.ceil(int(request.num_prompt_tokens) / block_size)
         first = local // block_size
@@ -238,6 +264,7 @@ class SchedulerSide:
         """The request ended: the ``kv_transfer_params`` of its response (vLLM frees its
         blocks at once either way)."""
         req_id = request.request_id
+        self._drop_offers(request, "it ended before its KV was loaded")
         self._to_save.pop(req_id, None)
         self._remote.pop(req_id, None)
         self._local_computed.pop(req_id, None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvxfer.errors import InvalidSpecError
 
@@ -41,7 +41,25 @@ class ConnectorSettings(BaseModel):
                                            "for its loads' endings (it returns as soon as one "
                                            "arrives; a request arriving meanwhile waits at most "
                                            "this long)")
+    keep_offers_every_s: float | None = Field(
+        None, ge=0, description="decode: how often the offers of requests still queued here "
+                                "are kept alive at their prefill daemons, each for timeout_s "
+                                "more (default: a third of timeout_s; 0: never, and an offer "
+                                "then ends at its deadline)")
 
+    @model_validator(mode="after")
+    def _keeps_before_deadlines(self) -> ConnectorSettings:
+        if self.keep_offers_every_s is not None and self.keep_offers_every_s >= self.timeout_s:
+            raise ValueError(f"keep_offers_every_s={self.keep_offers_every_s} must be below "
+                             f"timeout_s={self.timeout_s}, or an offer ends between two keeps")
+        return self
+
+    @property
+    def keep_every_s(self) -> float:
+        """Seconds between two keeps of the queued requests' offers (0: never)."""
+        if self.keep_offers_every_s is None:
+            return self.timeout_s / 3
+        return self.keep_offers_every_s
 
 def load_settings(extra: dict[str, Any]) -> ConnectorSettings:
     """The settings from ``kv_connector_extra_config``; InvalidSpecError names a bad key."""
@@ -50,6 +68,7 @@ def load_settings(extra: dict[str, Any]) -> ConnectorSettings:
     except ValidationError as exc:
         error = exc.errors()[0]
         key = ".".join(str(part) for part in error["loc"])
+        what = f"{key}={error.get('input')!r}: " if key else ""
         raise InvalidSpecError(
-            f"kv_connector_extra_config: {key}={error.get('input')!r}: {error['msg']}; keys: "
+            f"kv_connector_extra_config: {what}{error['msg']}; keys: "
             f"{sorted(ConnectorSettings.model_fields)}") from None
