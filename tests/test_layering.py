@@ -4,6 +4,8 @@ check of every module; tests/test_packaging.py checks the installed packages, sl
 - the core (``kvxfer/``) imports neither ``kvxfer.server`` nor ``kvxfer.client``;
 - the daemon (``server/``) does not import ``kvxfer.client``;
 - the worker side (``client/``) imports ``kvxfer.server`` only in ``cli.py`` (``kvxfer serve``);
+- the engine-neutral core (``kvxfer.client.engine_core``) imports no engine integration and
+  no engine (vLLM, SGLang), so another engine's adapter reuses it unchanged;
 - no module of the core or the worker side imports the daemon's stack at module level
   (UCX, cryptography, exporters, the Prometheus client, settings, YAML), except the core
   modules that are that stack's own (``kvxfer.transport``, ``kvxfer.certs``).
@@ -52,7 +54,9 @@ def within(name: str, prefixes: tuple[str, ...]) -> bool:
     (CORE, ("kvxfer.server", "kvxfer.client", "kvxfer.integrations"), ()),
     (SERVER, ("kvxfer.client", "kvxfer.integrations"), ()),
     (CLIENT, ("kvxfer.server",), ("client/cli.py",)),
-], ids=["core", "server", "client"])
+    (CLIENT / "client" / "engine_core",
+     ("kvxfer.server", "kvxfer.client.integrations", "kvxfer.integrations", "vllm", "sglang"), ()),
+], ids=["core", "server", "client", "engine-core"])
 def test_imports_go_one_way(root: Path, forbidden: tuple[str, ...], allowed_in: tuple[str, ...]) -> None:
     upward = {f"{p.relative_to(root)}: {name}" for p in modules(root)
               for name in imports(p, top_level_only=False)

@@ -7,8 +7,8 @@ import time
 import pytest
 
 from kvxfer.client import KvxferClient
-from kvxfer.client.integrations.vllm import reconnecting
-from kvxfer.client.integrations.vllm.reconnecting import Reconnecting
+from kvxfer.client.engine_core import reconnecting
+from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.errors import PeerUnavailableError
 
 POOL = "name=kv,preset=tiny"

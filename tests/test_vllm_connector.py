@@ -337,7 +337,7 @@ def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_un
 
 
 def test_a_daemon_that_dies_mid_load_fails_the_load_and_not_the_engine(pair, monkeypatch) -> None:
-    monkeypatch.setattr("kvxfer.client.integrations.vllm.worker.EXPIRY_GRACE_S", 0.0)
+    monkeypatch.setattr("kvxfer.client.engine_core.loads.EXPIRY_GRACE_S", 0.0)
     pre, dec = pair
     with pending_load(pre, dec, "orphan", timeout_s=1) as load:
         dec.kill()
@@ -430,10 +430,11 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
     for rank, worker in enumerate(workers):
         worker.register_kv_caches(kv_caches(30 + rank))
 
-    def refused(load: Any, transfer_id: str) -> Any:
-        raise TransferNotFoundError(f"{transfer_id} is not offered (this test's rank 1)")
+    def refused(loading: Any) -> None:
+        raise TransferNotFoundError(f"{loading.load.transfer_id}/tp1 is not offered (this "
+                                    "test's rank 1)")
 
-    workers[1]._lease_and_pull = refused  # type: ignore[method-assign]
+    workers[1]._pull = refused  # type: ignore[method-assign]
     request = Request("split", 64, params)
     sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, [8, 9], 64)

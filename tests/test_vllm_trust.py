@@ -34,6 +34,7 @@ from test_vllm_connector import (
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.completion_feed import CompletionFeed
+from kvxfer.client.engine_core.loads import PageLoads
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.status import LeaseUse
@@ -76,12 +77,12 @@ def test_after_a_daemon_restart_the_engines_reattach_and_the_kv_is_right(engines
     assert engines.hand_off("before", [3, 7], [1, 2]) == (True, set())
     daemon = engines.dec if side == "decode" else engines.pre
     worker = engines.work_d if side == "decode" else engines.work_p
-    old = worker._pool.memory.shm.path
+    old = worker._blocks.memory.shm.path
     assert mapped(old)
     daemon.restart()
     engines.fresh_kv(5)
     assert engines.hand_off("after", [4, 9], [5, 6]) == (True, set())
-    assert worker._pool.memory.shm.path != old and not mapped(old)  # the old arena is let go
+    assert worker._blocks.memory.shm.path != old and not mapped(old)  # the old arena is let go
     engines.fresh_kv(6)
     assert engines.hand_off("again", [0, 1], [7, 8]) == (True, set())
 
@@ -97,7 +98,8 @@ def test_negative_control_without_reattaching_a_restart_changes_the_kv(engines, 
     monkeypatch.setattr(KvxferClient, "completions", lambda self, *args, **kwargs: dataclasses.replace(
         completions(self, *args, **kwargs), epoch=""))
     for worker in (engines.work_p, engines.work_d):
-        monkeypatch.setattr(worker, "_epoch", "")
+        monkeypatch.setattr(worker._blocks, "epoch", "")
+        monkeypatch.setattr(worker._loads, "_epoch", "")
     monkeypatch.setattr(KvxferClient, "_lease", lambda self, pool, lease_id, release, epoch:
                         lease_use_to_proto(LeaseUse(lease_id, release, "")))
     (engines.dec if side == "decode" else engines.pre).restart()
@@ -114,7 +116,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
     (SIGSTOP) so that the pull stays in flight. Negative control: without ``_lost`` the
     load would wait for its deadline."""
     if not lost:
-        monkeypatch.setattr(WorkerSide, "_lost", lambda self, epoch: None)
+        monkeypatch.setattr(PageLoads, "_lost", lambda self, epoch: [])
     params = {"do_remote_prefill": True, "do_remote_decode": False,
               "kvxfer": {"version": 2, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),

@@ -1,19 +1,19 @@
-"""The connector's worker half: copy KV between vLLM's blocks and the daemon's pages.
+"""The connector's worker half: vLLM's side of the engine-neutral core (``engine_core``).
 
 vLLM keeps one KV tensor per layer, ``[num_blocks, ...]`` with each block's
 bytes contiguous; the daemon's pool holds pages of ``num_layers`` such blocks
-(``BlockLayout``). So layer ``l`` of block ``b`` is one contiguous copy to or
-from layer ``l`` of a page, whatever the engine's attention code keeps inside.
+(``BlockLayout``), each layer in its own span of the page (``engine_core.page_segments``).
+So layer ``l`` of block ``b`` is one contiguous copy to or from a page
+(``engine_core.paged_blocks``), whatever the engine's attention code keeps inside.
 
 Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
 into its leased pages as the forward computes them (copy-out); ``wait_for_save``
 offers the pages as the request's transfer, lease ending with it, so the
 engine's blocks are free at once. Decode: ``start_load_kv`` leases pages and
-starts a pull per planned load and returns; ``get_finished`` asks the daemon
-which transfers ended (a ``CompletionFeed``, in a thread of its own, long-polls the
-daemon for them, so the step makes no call), copies finished ones
-into the request's blocks (copy-in) and reports them; failed ones are reported
-failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
+starts a pull per planned load and returns (``engine_core.loads``: endings come from a
+feed in a thread of its own, so the step makes no call); ``get_finished`` copies the
+finished ones into the request's blocks (copy-in) and reports them; failed ones are
+reported failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
 recomputes or fails them, never serves them. A load dropped because its request
 ended is reported finished too, so vLLM frees the blocks it held for it.
 
@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvxfer.client.completion_feed import CompletionFeed
-from kvxfer.client.integrations.vllm.endings import Endings
+from kvxfer.client.engine_core.endings import Endings
+from kvxfer.client.engine_core.loads import PageLoads, PullEnd, failure_reason
+from kvxfer.client.engine_core.paged_blocks import PagedBlocks
+from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.integrations.vllm.layout import (
     BlockLayout,
     as_blocks,
@@ -43,37 +45,25 @@ from kvxfer.client.integrations.vllm.layout import (
     engine_blocks,
 )
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
-from kvxfer.client.integrations.vllm.reconnecting import Reconnecting
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.integrations.vllm.stats import IntervalStats, LoadTimeline, TransferStats
-from kvxfer.client.library import AttachedPool, KvxferClient
+from kvxfer.client.library import KvxferClient
 from kvxfer.errors import (
-    IncompatibleLayoutError,
     KvxferError,
     StaleArenaError,
     TransferAbortedError,
     TransferExistsError,
 )
 from kvxfer.pages import PageRuns
-from kvxfer.status import LeaseInfo, TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
-#: How long past its deadline a load may stay unreported before the worker fails it itself.
-EXPIRY_GRACE_S = 10.0
-
 
 @dataclass
-class PendingLoad:
-    """A pull in flight: where its pages land, when it started, the memory epoch of the
-    mapping it lands in, and when the daemon registered it (a completion of an earlier
-    registration of the same id is not its own)."""
+class Loading:
+    """What the worker keeps with a pull in flight: the load it serves, and its timeline."""
 
     load: Load
-    lease: LeaseInfo
-    started: float
-    epoch: str
-    registered_unix: float
     timeline: LoadTimeline
 
 
@@ -90,28 +80,24 @@ class WorkerSide:
         self._stats = TransferStats(settings.stats_file)
         #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
         self.interval = interval or IntervalStats()
-        self._pool: AttachedPool | None = None
-        self._epoch = ""
-        self._pages = torch.empty(0, dtype=torch.uint8)
+        reach = Reconnecting(self._client)  # a restarting daemon is waited for, once
+        self._endings = Endings(self._client)
+        self._blocks = PagedBlocks(self._client, reach, settings.pool,
+                                   check=lambda pool: check_pool(layout, pool))
+        self._loads: PageLoads[Loading] = PageLoads(self._client, self._endings, reach,
+                                                    timeout_s=settings.timeout_s)
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
         self._plan = StepPlan()
         self._unsaved: dict[str, tuple[str, str]] = {}  # transfer id -> (reason, why) its save failed
         self._layers_saved: Counter[str] = Counter()  # transfer id -> layers copied this step
         self._copy_out: dict[str, float] = {}
-        self._pending: dict[str, PendingLoad] = {}
-        self._releasing: dict[str, PendingLoad] = {}  # dropped loads whose end is not told yet
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         #: Failed loads by reason: a kvxfer error's (TRANSFER_NOT_FOUND, PROMPT_MISMATCH,
         #: DIAL_NOT_ALLOWED, ...), or REFUSED (by the scheduler half), DAEMON_RESTARTED,
         #: NO_ENDING (past its deadline), COPY_FAILED, or an exception's type.
         self.load_failures: Counter[str] = Counter()
-        self._cursor = 0
-        self._feed: CompletionFeed | None = None  # from the first load on
-        self._resync = False  # some endings were missed: ask for every ended transfer
-        self._endings = Endings(self._client)
-        self._reach = Reconnecting(self._client)  # a restarting daemon is waited for, once
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
@@ -123,43 +109,24 @@ class WorkerSide:
                  self._layout.block_bytes, self._settings.pool, self._settings.daemon)
 
     def _attach(self) -> None:
-        """Map the daemon's pool (dropping an earlier mapping first) and start following its
-        completions from now."""
-        self._detach()
-        pool = self._reach.call(lambda: self._client.attach(self._settings.pool))
-        try:
-            check_pool(self._layout, pool.descriptor)
-        except IncompatibleLayoutError:
-            pool.detach()
-            raise
-        start = pool.descriptor.layout.anchor_bytes
-        pages = pool.raw[start:start + pool.descriptor.num_pages * pool.descriptor.page_bytes]
-        self._pages = pages.view(pool.descriptor.num_pages, len(self._kv), self._layout.block_bytes)
-        self._pool, self._epoch = pool, pool.epoch
-        self._cursor = self._client.completions().cursor
-        self._lost(self._epoch)
-
-    def _detach(self) -> None:
-        self._epoch = ""
-        if self._feed is not None:  # it followed the daemon we mapped: start anew from now
-            self._feed.close(wait=False)  # not on the step: its call in flight ends it
-            self._feed = None
-        if self._pool is not None:
-            self._pages = torch.empty(0, dtype=torch.uint8)
-            self._pool.detach()
-            self._pool = None
+        """Map the daemon's pool (dropping an earlier mapping first) and follow its endings
+        from now: the loads of another memory epoch fail."""
+        self._loads.stop_following()
+        self._blocks.attach()
+        for end in self._loads.follow(self._blocks.epoch):
+            self._fail(end.pull.payload.load, end.why, end.reason)
 
     def _current(self, epoch: str) -> None:
         """Make the mapping the one of memory ``epoch`` (a lease's): re-attach when the daemon
         restarted since we mapped it; StaleArenaError if it restarted yet again."""
-        if epoch == self._epoch:
+        if epoch == self._blocks.epoch:
             return
         log.warning("kvxfer: daemon %s restarted (memory epoch %s, ours %s): re-attaching pool %r",
-                    self._settings.daemon, epoch[:12], self._epoch[:12], self._settings.pool)
+                    self._settings.daemon, epoch[:12], self._blocks.epoch[:12], self._settings.pool)
         self._attach()
-        if epoch != self._epoch:
-            raise StaleArenaError(f"the daemon's memory epoch is now {self._epoch[:12]}, the "
-                                  f"lease's {epoch[:12]}: it restarted again")
+        if epoch != self._blocks.epoch:
+            raise StaleArenaError(f"the daemon's memory epoch is now {self._blocks.epoch[:12]}, "
+                                  f"the lease's {epoch[:12]}: it restarted again")
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -173,7 +140,8 @@ class WorkerSide:
             try:
                 self._current(save.arena_epoch)
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._unsaved[save.transfer_id] = (_reason(exc), f"{type(exc).__name__}: {exc}")
+                self._unsaved[save.transfer_id] = (failure_reason(exc),
+                                                   f"{type(exc).__name__}: {exc}")
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's blocks of every request saved this step into its pages."""
@@ -184,9 +152,8 @@ class WorkerSide:
                 continue
             start = time.perf_counter()
             try:
-                layer = self._layers[layer_name]
-                blocks = as_blocks(kv_layer)
-                self._pages[list(save.pages[self._rank]), layer] = blocks[list(save.block_ids)]
+                self._blocks.copy_out(self._layers[layer_name], as_blocks(kv_layer),
+                                      save.block_ids, save.pages[self._rank])
                 self._layers_saved[save.transfer_id] += 1
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
                 self._unsaved[save.transfer_id] = ("COPY_FAILED",
@@ -219,7 +186,8 @@ class WorkerSide:
         try:
             self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
                                timeout_s=self._settings.timeout_s, verify=save.verify,
-                               lease_id=lease_id, release_lease=True, arena_epoch=self._epoch,
+                               lease_id=lease_id, release_lease=True,
+                               arena_epoch=self._blocks.epoch,
                                prompt_digest=save.prompt_digest)
         except KvxferError as exc:
             log.error("request %s: could not offer its KV (%s: %s); its decode will fail or "
@@ -239,13 +207,11 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         """Drop the loads of requests that ended (reporting them finished, so vLLM frees their
         blocks), and start this step's pulls."""
-        for req_id in self._plan.cancels:
-            for tid, pending in list(self._pending.items()):
-                if pending.load.req_id == req_id:
-                    del self._pending[tid]
-                    self._finished.add(req_id)
-                    self._endings.abort(tid, "its request ended")
-                    self._release_after(tid, pending)
+        if self._plan.cancels:
+            ended = set(self._plan.cancels)
+            for dropped in self._loads.cancel(lambda x: x.load.req_id in ended,
+                                              "its request ended"):
+                self._finished.add(dropped.load.req_id)
         for load in self._plan.loads:
             if load.refused:
                 self._fail(load, load.refused, "REFUSED")
@@ -253,151 +219,69 @@ class WorkerSide:
             try:
                 self._start(load)
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._fail(load, f"{type(exc).__name__}: {exc}", _reason(exc))
+                self._fail(load, f"{type(exc).__name__}: {exc}", failure_reason(exc))
 
     def _start(self, load: Load) -> None:
         """Lease pages for ``load`` and pull into them, in one call, through our mapping's
         memory epoch (a daemon that restarted since refuses it: re-attach, then try once
         more). A transfer id this worker is still loading (params used twice) is refused."""
-        transfer_id = rank_transfer(load.transfer_id, self._rank, self._layout.tp_size)
-        if transfer_id in self._pending or transfer_id in self._releasing:
-            raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
-        timeline = LoadTimeline(load.planned_unix)
-        timeline.mark("started")
-        if self._pool is None:  # an earlier re-attach failed: try again before pulling
+        loading = Loading(load, LoadTimeline(load.planned_unix))
+        loading.timeline.mark("started")
+        if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
             self._attach()
         try:
-            lease, pulled = self._reach.call(lambda: self._lease_and_pull(load, transfer_id))
+            self._pull(loading)
         except StaleArenaError:
             log.warning("kvxfer: daemon %s restarted since we mapped pool %r: re-attaching",
                         self._settings.daemon, self._settings.pool)
             self._attach()
-            lease, pulled = self._lease_and_pull(load, transfer_id)
-        timeline.mark("pulled")
-        self._pending[transfer_id] = PendingLoad(load, lease, time.perf_counter(), self._epoch,
-                                                 pulled.created_unix, timeline)
-        if self._feed is None:
-            self._feed = CompletionFeed(self._client, self._cursor)
+            self._pull(loading)
+        loading.timeline.mark("pulled")
 
-    def _lease_and_pull(self, load: Load, transfer_id: str) -> tuple[LeaseInfo, TransferInfo]:
-        return self._client.lease_and_pull(
-            transfer_id, load.peer, self._settings.pool, load.pulled_pages,
-            timeout_s=self._settings.timeout_s, lease_s=self._settings.lease_s,
-            holder=f"vllm {self._engine_id}", arena_epoch=self._epoch,
-            capability=load.capabilities[self._rank], prompt_digest=load.prompt_digest,
-            skip_pages=load.first_page)
-
-    def _release_after(self, transfer_id: str, pending: PendingLoad) -> None:
-        """Release ``pending``'s lease once the daemon reports its transfer ended: until then
-        bytes already on their way may still land in its pages."""
-        self._releasing[transfer_id] = pending
+    def _pull(self, loading: Loading) -> None:
+        load = loading.load
+        self._loads.start(
+            loading, rank_transfer(load.transfer_id, self._rank, self._layout.tp_size),
+            peer=load.peer, pool=self._settings.pool, pages=load.pulled_pages,
+            skip_pages=load.first_page, capability=load.capabilities[self._rank],
+            prompt_digest=load.prompt_digest, epoch=self._blocks.epoch,
+            lease_s=self._settings.lease_s, holder=f"vllm {self._engine_id}")
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see take_failed)."""
-        try:
-            self._poll()
-        except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
-            log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
-                        type(exc).__name__, exc)
-        self._expire()
+        wait_s = self._settings.idle_wait_s if self._plan.idle else 0.0
+        for end in self._loads.poll(wait_s) + self._loads.expire():
+            if end.ok:
+                self._land(end)
+            else:
+                self._fail(end.pull.payload.load, end.why, end.reason)
         finished, self._finished = self._finished, set()
         return finished
 
-    def _poll(self) -> None:
-        """Settle what the feed gathered (taken every step, so it never piles up). When the
-        daemon no longer kept some endings, ask it for every ended transfer, until that call
-        succeeds."""
-        if self._feed is None:
-            return
-        if self._plan.idle and self._pending:
-            self._feed.wait(self._settings.idle_wait_s)
-        batches, error = self._feed.take()
-        if error is not None:
-            log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
-                        type(error).__name__, error)
-        for ended in batches:
-            if ended.epoch != self._epoch:
-                self._lost(ended.epoch)
-                continue
-            self._resync = self._resync or ended.missed
-            self._settle(ended.transfers)
-        if self._resync and (self._pending or self._releasing):
-            self._settle([i for i in self._client.transfers() if i.state.final])
-        self._resync = False
-
-    def _settle(self, infos: list[TransferInfo]) -> None:
-        """Settle the loads and dropped loads whose transfers ``infos`` say ended."""
-        for info in infos:
-            dropped = self._releasing.get(info.transfer_id)
-            if dropped is not None and info.created_unix == dropped.registered_unix:
-                del self._releasing[info.transfer_id]
-                self._endings.release(dropped.lease.lease_id)
-            pending = self._pending.get(info.transfer_id)
-            if pending is None or info.created_unix != pending.registered_unix:
-                continue  # not ours, or an earlier registration of the same id
-            del self._pending[info.transfer_id]
-            try:
-                self._land(pending, info)
-            except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
-                self._endings.release(pending.lease.lease_id)
-                self._fail(pending.load, f"copying it in failed: {type(exc).__name__}: {exc}",
-                           "COPY_FAILED")
-
-    def _lost(self, epoch: str) -> None:
-        """The daemon's memory epoch is ``epoch``: fail at once every pending load of another
-        (the daemon that held their transfers is gone, and their pages with it)."""
-        for tid, pending in list(self._pending.items()):
-            if pending.epoch != epoch:
-                del self._pending[tid]
-                self._fail(pending.load, f"the daemon restarted (memory epoch {epoch[:12]}, "
-                                         f"the load's {pending.epoch[:12]}): its transfer is gone",
-                           "DAEMON_RESTARTED")
-        for tid, dropped in list(self._releasing.items()):
-            if dropped.epoch != epoch:
-                del self._releasing[tid]  # its lease went with the daemon
-
-    def _expire(self) -> None:
-        """Fail the loads the daemon has not ended well past their deadline (it did not
-        answer, or lost them): their blocks must not wait forever."""
-        limit = self._settings.timeout_s + EXPIRY_GRACE_S
-        now = time.perf_counter()
-        for tid, pending in list(self._pending.items()):
-            if now - pending.started > limit:
-                del self._pending[tid]
-                self._endings.abort(tid, "no ending reported by its deadline")
-                self._release_after(tid, pending)
-                self._fail(pending.load, f"the daemon reported no ending within {limit:.0f}s",
-                           "NO_ENDING")
-        for tid, dropped in list(self._releasing.items()):
-            if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
-                del self._releasing[tid]
-                self._endings.release(dropped.lease.lease_id)
-
-    def _land(self, pending: PendingLoad, info: TransferInfo) -> None:
-        load = pending.load
-        transfer_s = time.perf_counter() - pending.started
-        pending.timeline.mark("ended")
-        if not info.ok:
-            self._endings.release(pending.lease.lease_id)
-            self._fail(load, f"transfer {info.state.name}: {info.error}",
-                       _reason(info.failure) if info.failure is not None else info.state.name)
-            return
+    def _land(self, end: PullEnd[Loading]) -> None:
+        """Copy a finished pull's pages into its request's blocks (a failed copy fails it)."""
+        load, timeline, info = end.pull.payload.load, end.pull.payload.timeline, end.info
+        assert info is not None
+        transfer_s = time.perf_counter() - end.pull.started
+        timeline.mark("ended")
         start = time.perf_counter()
-        pages = list(pending.lease.runs.pages())[:len(load.block_ids)]
-        blocks = list(load.block_ids)
-        for layer, kv in enumerate(self._kv):
-            kv[blocks] = self._pages[pages, layer]
+        try:
+            pages = list(end.pull.lease.runs.pages())[:len(load.block_ids)]
+            self._blocks.copy_in(self._kv, pages, load.block_ids)
+        except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
+            self._fail(load, f"copying it in failed: {type(exc).__name__}: {exc}", "COPY_FAILED")
+            return
+        finally:
+            self._loads.release(end)
         copy_s = time.perf_counter() - start
-        pending.timeline.mark("landed")
-        self._endings.release(pending.lease.lease_id)
+        timeline.mark("landed")
         self._finished.add(load.req_id)
-        self.interval.load(pending.timeline.landed - pending.timeline.started, info.bytes,
-                           load.pulled_pages)
+        self.interval.load(timeline.landed - timeline.started, info.bytes, load.pulled_pages)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=True, pages=load.pulled_pages, bytes=info.bytes,
                            transfer_s=transfer_s, daemon_s=info.seconds,
                            daemon_data_s=info.data_seconds, copy_s=copy_s,
-                           verified=info.verified, **pending.timeline.fields())
+                           verified=info.verified, **timeline.fields())
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
         """Report ``load`` failed; with tensor parallelism, abort the other ranks' transfers
@@ -431,18 +315,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Abort pending loads, unmap the pool, close the channel."""
-        for tid, pending in list(self._pending.items()):
-            self._endings.abort(tid, "the engine shut down")
-            self._endings.release(pending.lease.lease_id)
-        self._pending.clear()
+        self._loads.close("the engine shut down")
         self._endings.close()
-        if self._feed is not None:
-            self._feed.close()
-            self._feed = None
-        self._detach()
+        self._blocks.detach()
         self._client.close()
-
-
-def _reason(exc: BaseException) -> str:
-    """A failure's reason: a kvxfer error's own, else the exception's type."""
-    return exc.reason if isinstance(exc, KvxferError) else type(exc).__name__

@@ -1,4 +1,4 @@
-"""Ending leases and transfers from an engine's worker: calls that never raise into vLLM.
+"""Ending leases and transfers from an engine's worker: calls that never raise into the engine.
 
 A release or an abort that fails is not the engine's problem: the daemon frees a lease
 when it expires and ends a transfer at its deadline. Releases run in a thread of their
@@ -14,7 +14,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import LeaseNotFoundError
 
-log = logging.getLogger("kvxfer.integrations.vllm")
+log = logging.getLogger("kvxfer.engine_core")
 
 #: How long ``close`` waits for the releases asked for (the rest expire with their leases).
 CLOSE_WAIT_S = 5.0
@@ -45,7 +45,7 @@ class Endings:
         """Abort a transfer now."""
         try:
             self._client.abort(transfer_id, why)
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
+        except Exception as exc:  # noqa: BLE001 - never into the engine's worker loop
             log.info("could not abort %s: %s", transfer_id, exc)
 
     def close(self) -> None:
@@ -64,5 +64,5 @@ class Endings:
             self._client.release(lease_id)
         except LeaseNotFoundError:
             pass  # it ended with its transfer, or expired
-        except Exception as exc:  # noqa: BLE001 - never into vLLM's worker loop
+        except Exception as exc:  # noqa: BLE001 - never into the engine's worker loop
             log.warning("could not release lease %s: %s", lease_id, exc)

@@ -19,7 +19,7 @@ from typing import TypeVar
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import PeerUnavailableError
 
-log = logging.getLogger("kvxfer.integrations.vllm")
+log = logging.getLogger("kvxfer.engine_core")
 
 T = TypeVar("T")
 

@@ -1,0 +1,233 @@
+"""Pulls in flight into pages leased for them, and how each ended: an engine's decode half.
+
+``start`` leases pages and pulls a transfer into them in one call (``LeasePull``), through
+the memory epoch of the caller's mapping (a daemon that restarted since refuses it:
+StaleArenaError, and the caller maps the pool again, ``follow``, and retries). A
+``CompletionFeed`` (a thread of its own) long-polls the daemon for endings, so ``poll``
+makes no call unless the daemon no longer kept some endings. ``poll`` hands back each pull
+that ended, once: a failed one with its lease already released, a successful one for the
+caller to read and then ``release``. A pull dropped (``cancel``: its request ended) is
+aborted and its lease released only once its end is told, since bytes already on their way
+may land until then. ``expire`` fails pulls the daemon has not ended well past their
+deadline. ``follow`` after (re)mapping the pool: endings from now on, and every pull of
+another memory epoch failed at once (the daemon that held it restarted, its pages with it).
+Each pull carries the engine's own ``payload`` (vLLM's ``Load``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from kvxfer.client.completion_feed import CompletionFeed
+from kvxfer.client.engine_core.endings import Endings
+from kvxfer.client.engine_core.reconnecting import Reconnecting
+from kvxfer.client.library import KvxferClient
+from kvxfer.errors import KvxferError, TransferExistsError
+from kvxfer.status import LeaseInfo, TransferInfo
+
+log = logging.getLogger("kvxfer.engine_core")
+
+P = TypeVar("P")
+
+#: How long past its deadline a pull may stay unreported before it is failed here.
+EXPIRY_GRACE_S = 10.0
+
+
+@dataclass
+class Pull(Generic[P]):
+    """A pull in flight: where its pages land, when it started, the memory epoch of the
+    mapping it lands in, and when the daemon registered it (a completion of an earlier
+    registration of the same id is not its own)."""
+
+    payload: P
+    transfer_id: str
+    lease: LeaseInfo
+    started: float
+    epoch: str
+    registered_unix: float
+
+
+@dataclass(frozen=True)
+class PullEnd(Generic[P]):
+    """How a pull ended: the daemon's status (None when it never told: expired, or its daemon
+    restarted), and for a failure why and its reason (a kvxfer error's, or NO_ENDING,
+    DAEMON_RESTARTED)."""
+
+    pull: Pull[P]
+    info: TransferInfo | None
+    why: str = ""
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Whether its pages hold the transfer's bytes."""
+        return self.info is not None and self.info.ok
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A failure's reason: a kvxfer error's own, else the exception's type."""
+    return exc.reason if isinstance(exc, KvxferError) else type(exc).__name__
+
+
+class PageLoads(Generic[P]):
+    """The pulls one engine worker has in flight through ``client``'s daemon."""
+
+    def __init__(self, client: KvxferClient, endings: Endings, reach: Reconnecting, *,
+                 timeout_s: float) -> None:
+        self._client = client
+        self._endings = endings
+        self._reach = reach
+        self._timeout_s = timeout_s
+        self._pending: dict[str, Pull[P]] = {}
+        self._releasing: dict[str, Pull[P]] = {}  # dropped pulls whose end is not told yet
+        self._cursor = 0
+        self._feed: CompletionFeed | None = None  # from the first pull on
+        self._resync = False  # some endings were missed: ask for every ended transfer
+        self._epoch = ""  # of the mapping the pulls land in (``follow``)
+
+    @property
+    def pending(self) -> int:
+        """Pulls in flight."""
+        return len(self._pending)
+
+    def follow(self, epoch: str) -> list[PullEnd[P]]:
+        """The pool was mapped at memory ``epoch``: follow endings from now on; the pulls of
+        another epoch end DAEMON_RESTARTED (returned)."""
+        self.stop_following()
+        self._cursor = self._client.completions().cursor
+        self._epoch = epoch
+        return self._lost(epoch)
+
+    def stop_following(self) -> None:
+        """Stop the feed (not on the caller's step: its call in flight ends it)."""
+        if self._feed is not None:
+            self._feed.close(wait=False)
+            self._feed = None
+
+    def start(self, payload: P, transfer_id: str, *, peer: str, pool: str, pages: int,
+              skip_pages: int, capability: str, prompt_digest: bytes, epoch: str,
+              lease_s: float, holder: str) -> Pull[P]:
+        """Lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past the offer's
+        first ``skip_pages``; TransferExistsError if it is still being pulled here."""
+        if transfer_id in self._pending or transfer_id in self._releasing:
+            raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
+        lease, pulled = self._reach.call(lambda: self._client.lease_and_pull(
+            transfer_id, peer, pool, pages, timeout_s=self._timeout_s, lease_s=lease_s,
+            holder=holder, arena_epoch=epoch, capability=capability,
+            prompt_digest=prompt_digest, skip_pages=skip_pages))
+        pull = Pull(payload, transfer_id, lease, time.perf_counter(), epoch, pulled.created_unix)
+        self._pending[transfer_id] = pull
+        if self._feed is None:
+            self._feed = CompletionFeed(self._client, self._cursor)
+        return pull
+
+    def cancel(self, which: Callable[[P], bool], why: str) -> list[P]:
+        """Abort the pulls whose payload ``which`` selects; their leases are released once
+        their ends are told."""
+        dropped = []
+        for tid, pull in list(self._pending.items()):
+            if which(pull.payload):
+                del self._pending[tid]
+                self._endings.abort(tid, why)
+                self._releasing[tid] = pull
+                dropped.append(pull.payload)
+        return dropped
+
+    def poll(self, wait_s: float) -> list[PullEnd[P]]:
+        """The pulls that ended since the last call (waiting up to ``wait_s`` for one while
+        some are in flight). When the daemon no longer kept some endings, asks it for every
+        ended transfer, each call until one succeeds. A failed call is logged, never raised."""
+        if self._feed is None:
+            return []
+        if wait_s and self._pending:
+            self._feed.wait(wait_s)
+        batches, error = self._feed.take()
+        ends: list[PullEnd[P]] = []
+        if error is not None:
+            log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
+                        type(error).__name__, error)
+        for ended in batches:
+            if ended.epoch != self._epoch:
+                ends += self._lost(ended.epoch)
+                continue
+            self._resync = self._resync or ended.missed
+            ends += self._settle(ended.transfers)
+        if self._resync and (self._pending or self._releasing):
+            try:
+                ends += self._settle([i for i in self._client.transfers() if i.state.final])
+            except KvxferError as exc:
+                log.warning("kvxfer: could not ask the daemon for every ended transfer (some "
+                            "endings were missed); asking again next step: %s", exc)
+                return ends
+        self._resync = False
+        return ends
+
+    def _settle(self, infos: list[TransferInfo]) -> list[PullEnd[P]]:
+        ends: list[PullEnd[P]] = []
+        for info in infos:
+            dropped = self._releasing.get(info.transfer_id)
+            if dropped is not None and info.created_unix == dropped.registered_unix:
+                del self._releasing[info.transfer_id]
+                self._endings.release(dropped.lease.lease_id)
+            pull = self._pending.get(info.transfer_id)
+            if pull is None or info.created_unix != pull.registered_unix:
+                continue  # not ours, or an earlier registration of the same id
+            del self._pending[info.transfer_id]
+            if info.ok:
+                ends.append(PullEnd(pull, info))
+                continue
+            self._endings.release(pull.lease.lease_id)
+            ends.append(PullEnd(pull, info, f"transfer {info.state.name}: {info.error}",
+                                failure_reason(info.failure) if info.failure is not None
+                                else info.state.name))
+        return ends
+
+    def release(self, end: PullEnd[P]) -> None:
+        """The caller has read ``end``'s pages: release them."""
+        self._endings.release(end.pull.lease.lease_id)
+
+    def _lost(self, epoch: str) -> list[PullEnd[P]]:
+        ends: list[PullEnd[P]] = []
+        for tid, pull in list(self._pending.items()):
+            if pull.epoch != epoch:
+                del self._pending[tid]
+                ends.append(PullEnd(pull, None, f"the daemon restarted (memory epoch "
+                                                 f"{epoch[:12]}, the load's {pull.epoch[:12]}): "
+                                                 "its transfer is gone", "DAEMON_RESTARTED"))
+        for tid, dropped in list(self._releasing.items()):
+            if dropped.epoch != epoch:
+                del self._releasing[tid]  # its lease went with the daemon
+        return ends
+
+    def expire(self) -> list[PullEnd[P]]:
+        """Fail the pulls the daemon has not ended well past their deadline (it did not
+        answer, or lost them): their blocks must not wait forever."""
+        limit = self._timeout_s + EXPIRY_GRACE_S
+        now = time.perf_counter()
+        ends: list[PullEnd[P]] = []
+        for tid, pull in list(self._pending.items()):
+            if now - pull.started > limit:
+                del self._pending[tid]
+                self._endings.abort(tid, "no ending reported by its deadline")
+                self._releasing[tid] = pull
+                ends.append(PullEnd(pull, None, f"the daemon reported no ending within "
+                                                f"{limit:.0f}s", "NO_ENDING"))
+        for tid, dropped in list(self._releasing.items()):
+            if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
+                del self._releasing[tid]
+                self._endings.release(dropped.lease.lease_id)
+        return ends
+
+    def close(self, why: str) -> None:
+        """Abort every pull in flight and release its pages; stop following endings."""
+        for tid, pull in list(self._pending.items()):
+            self._endings.abort(tid, why)
+            self._endings.release(pull.lease.lease_id)
+        self._pending.clear()
+        if self._feed is not None:
+            self._feed.close()
+            self._feed = None

@@ -1,0 +1,123 @@
+"""A daemon pool mapped as rows of page bytes, and the copies between an engine's KV blocks
+and spans of those rows.
+
+A page of any page-major kind is one row of ``page_bytes``, and each layer of each state
+sits in a known run of it (``page_segments``). An engine whose KV cache keeps each block's
+bytes of a layer together moves a block as one copy per span (``PageRows.copy_out``: an
+engine's blocks into pages; ``copy_in``: pages into an engine's blocks), whatever its
+attention code keeps inside the block. vLLM's blocks are whole layers (``layer_spans``);
+a Mamba engine's states would be one span per segment. Whether the bytes inside a block
+mean the same on both sides is the adapter's to check (vLLM's ``BlockLayout``).
+
+``PagedBlocks`` maps a daemon's pool for that, with a memory epoch (the daemon's when it
+was mapped): ``attach`` maps it again, dropping the old mapping first, after a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvxfer.client.engine_core.page_segments import layer_spans
+from kvxfer.client.engine_core.reconnecting import Reconnecting
+from kvxfer.client.library import AttachedPool, KvxferClient
+from kvxfer.descriptor import PoolDescriptor
+from kvxfer.errors import IncompatibleLayoutError, StaleArenaError
+from kvxfer.layout import PoolLayout
+from kvxfer.memory import MemoryHandle
+
+#: Where a block sits in a page: ``(offset, nbytes)``.
+Span = tuple[int, int]
+
+
+class PageRows:
+    """The pages of ``layout`` in ``raw`` (a buffer's bytes) as ``[num_pages, page_bytes]``."""
+
+    def __init__(self, raw: torch.Tensor, layout: PoolLayout) -> None:
+        start = layout.anchor_bytes
+        self.rows = raw[start:start + layout.num_pages * layout.page_bytes].view(
+            layout.num_pages, layout.page_bytes)
+
+    def copy_out(self, span: Span, blocks: torch.Tensor, block_ids: Sequence[int],
+                 pages: Sequence[int]) -> None:
+        """Blocks ``block_ids`` of ``blocks`` (``[num_blocks, nbytes]``) into ``span`` of
+        ``pages``, block ``i`` into page ``i``."""
+        offset, nbytes = span
+        self.rows[list(pages), offset:offset + nbytes] = blocks[list(block_ids)]
+
+    def copy_in(self, span: Span, blocks: torch.Tensor, pages: Sequence[int],
+                block_ids: Sequence[int]) -> None:
+        """``span`` of ``pages`` into blocks ``block_ids`` of ``blocks``, page ``i`` into
+        block ``i``."""
+        offset, nbytes = span
+        blocks[list(block_ids)] = self.rows[list(pages), offset:offset + nbytes]
+
+
+class PagedBlocks:
+    """One pool of ``client``'s daemon, mapped, whose page spans per layer (``layer_spans``)
+    hold an engine's per-layer blocks (``check`` refuses a pool that does not hold them)."""
+
+    def __init__(self, client: KvxferClient, reach: Reconnecting, pool: str, *,
+                 check: Callable[[PoolDescriptor], None]) -> None:
+        self._client = client
+        self._reach = reach
+        self.pool = pool
+        self._check = check
+        self._mapped: AttachedPool | None = None
+        self._rows: PageRows | None = None
+        self._spans: tuple[Span, ...] = ()
+        #: The memory epoch of the mapping ("" when not mapped).
+        self.epoch = ""
+
+    @property
+    def attached(self) -> bool:
+        """Whether the pool is mapped."""
+        return self._mapped is not None
+
+    @property
+    def memory(self) -> MemoryHandle | None:
+        """The handle of the memory mapped (None when not mapped)."""
+        return None if self._mapped is None else self._mapped.memory
+
+    def attach(self) -> None:
+        """Map the pool (dropping an earlier mapping first); IncompatibleLayoutError from
+        ``check`` or ``layer_spans`` leaves it unmapped."""
+        self.detach()
+        mapped = self._reach.call(lambda: self._client.attach(self.pool))
+        try:
+            self._check(mapped.descriptor)
+            spans = layer_spans(mapped.descriptor.layout)
+        except IncompatibleLayoutError:
+            mapped.detach()
+            raise
+        self._rows = PageRows(mapped.raw, mapped.descriptor.layout)
+        self._mapped, self._spans, self.epoch = mapped, spans, mapped.epoch
+
+    def detach(self) -> None:
+        """Drop the mapping (its memory is freed once the daemon's arena is gone too)."""
+        self.epoch = ""
+        self._rows = None
+        if self._mapped is not None:
+            self._mapped.detach()
+            self._mapped = None
+
+    def _mapped_rows(self) -> PageRows:
+        if self._rows is None:
+            raise StaleArenaError(f"pool {self.pool!r} is not mapped: its daemon restarted and "
+                                  "mapping it again failed")
+        return self._rows
+
+    def copy_out(self, layer: int, blocks: torch.Tensor, block_ids: Sequence[int],
+                 pages: Sequence[int]) -> None:
+        """Layer ``layer``'s blocks ``block_ids`` (of ``blocks``: ``[num_blocks, bytes]``)
+        into ``pages``, block ``i`` into page ``i``."""
+        self._mapped_rows().copy_out(self._spans[layer], blocks, block_ids, pages)
+
+    def copy_in(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
+                block_ids: Sequence[int]) -> None:
+        """Every layer of ``pages`` into blocks ``block_ids`` of ``layers`` (one
+        ``[num_blocks, bytes]`` tensor per layer), page ``i`` into block ``i``."""
+        rows = self._mapped_rows()
+        for span, kv in zip(self._spans, layers, strict=True):
+            rows.copy_in(span, kv, pages, block_ids)
