@@ -35,7 +35,8 @@ def _unguard_epoch() -> None:
 
     def no_epoch(self: WorkerSide, *args: Any, **kwargs: Any) -> Any:
         answer = started(self, *args, **kwargs)
-        self._epoch = ""
+        self._blocks.epoch = ""
+        self._loads._epoch = ""
         return answer
 
     WorkerSide.register_kv_caches = no_epoch  # type: ignore[method-assign]
