@@ -162,6 +162,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         for name, kv in kv_p.items():
             work_p.save_kv_layer(name, kv)
         work_p.wait_for_save()
+        assert work_p.get_finished() == set()  # the step ends (vLLM asks every worker)
         params = sched_p.request_finished(req)
         assert params is not None and params["do_remote_prefill"] is True
         remote = parse_remote_prefill(params, LAYOUT, MODEL)
@@ -176,6 +177,9 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         work_d.start_load_kv()
         wait_finished(work_d, "d1")
         assert work_d.take_failed() == set()
+        for work in (work_p, work_d):  # each step that saved or loaded counted its time
+            steps = (work.interval.take() or {}).get("step_seconds", [])
+            assert steps and all(0 < s < 5 for s in steps), steps
         for name in kv_d:
             expected = decode_before[name].clone()
             expected[[1, 2, 5]] = kv_p[name][[3, 7, 9]]

@@ -153,8 +153,10 @@ def main() -> None:
             out["leased_settled_s"] = time.monotonic() - settling
             for side in ("prefill", "decode"):
                 path = workdir / f"{side}-stats.jsonl"
-                records = path.read_text().splitlines() if path.exists() else []
-                out[f"{side}_stats"] = [json.loads(line) for line in records]
+                records = [json.loads(line) for line in
+                           (path.read_text().splitlines() if path.exists() else [])]
+                out[f"{side}_stats"] = [r for r in records if r.get("role") != "step"]
+                out[f"{side}_steps"] = [r for r in records if r.get("role") == "step"]
             assert d.prefill is not None and d.decode is not None
             out["engine_metrics"] = {"prefill": d.prefill.samples("vllm:kvxfer_"),
                                      "decode": d.decode.samples("vllm:kvxfer_")}

@@ -137,14 +137,18 @@ class PageLoads(Generic[P]):
                 dropped.append(pull.payload)
         return dropped
 
-    def poll(self, wait_s: float) -> list[PullEnd[P]]:
-        """The pulls that ended since the last call (waiting up to ``wait_s`` for one while
-        some are in flight). When the daemon no longer kept some endings, asks it for every
-        ended transfer, each call until one succeeds. A failed call is logged, never raised."""
+    def wait(self, wait_s: float) -> None:
+        """Wait up to ``wait_s`` for an ending while pulls are in flight (returns at once
+        when one arrives, or none is in flight)."""
+        if self._feed is not None and wait_s and self._pending:
+            self._feed.wait(wait_s)
+
+    def poll(self) -> list[PullEnd[P]]:
+        """The pulls that ended since the last call. When the daemon no longer kept some
+        endings, asks it for every ended transfer, each call until one succeeds. A failed
+        call is logged, never raised."""
         if self._feed is None:
             return []
-        if wait_s and self._pending:
-            self._feed.wait(wait_s)
         batches, error = self._feed.take()
         ends: list[PullEnd[P]] = []
         if error is not None:

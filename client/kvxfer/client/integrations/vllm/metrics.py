@@ -10,6 +10,8 @@ it through ``KvxferPromMetrics.observe``. The series, each with vLLM's ``engine`
   engine's blocks; ``vllm:kvxfer_load_bytes``, ``vllm:kvxfer_load_pages``;
 - ``vllm:kvxfer_save_time_seconds``: a save's copy-out and offer; ``vllm:kvxfer_save_bytes``,
   ``vllm:kvxfer_save_pages``;
+- ``vllm:kvxfer_step_time_seconds``: per rank, the time the connector's calls took in a
+  model step that carried a save or a load (not counting an idle step's wait for endings);
 - ``vllm:kvxfer_failed_loads_total{reason}``: loads reported failed to vLLM (its load
   errors, recomputed or failed by ``kv_load_failure_policy``), by reason
   (``worker.WorkerSide.load_failures``);
@@ -45,6 +47,8 @@ from kvxfer.client.integrations.vllm.stats import (
 
 #: Seconds of a load or save: 1 ms to 30 s (a transfer's default deadline).
 TIME_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+#: Seconds of the connector's calls in one step: 0.1 ms to 1 s.
+STEP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
 #: Bytes of a load or save: 4 KiB to 16 GiB, by powers of 4.
 BYTE_BUCKETS = [float(4 ** i) for i in range(6, 18)]
 #: Pages of a load: 1 to 4096, by powers of 2.
@@ -91,6 +95,9 @@ class KvxferPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
              TIME_BUCKETS),
             ("save_bytes", "save_bytes", "Bytes of a KV save.", BYTE_BUCKETS),
             ("save_pages", "save_pages", "Daemon pages of a KV save.", PAGE_BUCKETS),
+            ("step_seconds", "step_time_seconds",
+             "Seconds the kvxfer connector's calls took in a model step that carried a KV save "
+             "or load, per rank.", STEP_BUCKETS),
         ):
             histogram = self._histogram_cls(name=f"vllm:kvxfer_{name}", documentation=documentation,
                                             buckets=buckets, labelnames=labelnames)

@@ -55,8 +55,10 @@ class LoadTimeline:
 #: counts by key ``COUNTS``. Plain data, so vLLM can pickle it between processes.
 Figures: TypeAlias = dict[str, Any]
 #: Per load or save: seconds (the worker starting a load to its KV in the engine's blocks;
-#: a save's copy-out and offer), bytes and pages.
-LISTS = ("load_seconds", "load_bytes", "load_pages", "save_seconds", "save_bytes", "save_pages")
+#: a save's copy-out and offer), bytes and pages; per step that carried a save or a load
+#: (per rank), the seconds the worker's connector calls took in it.
+LISTS = ("load_seconds", "load_bytes", "load_pages", "save_seconds", "save_bytes", "save_pages",
+         "step_seconds")
 #: Counts by key: failed loads and saves by reason, params refused before any load (by
 #: reason), connector entry points that raised.
 COUNTS = ("failed_loads", "failed_saves", "refused_params", "errors")
@@ -86,7 +88,7 @@ def merge(into: Figures, other: Figures) -> Figures:
 
 def summary(figures: Figures) -> dict[str, int | float]:
     """The interval in a few numbers, for vLLM's periodic log line."""
-    loads, saves = figures["load_seconds"], figures["save_seconds"]
+    loads, saves, steps = figures["load_seconds"], figures["save_seconds"], figures["step_seconds"]
     load_s, load_mb = sum(loads), sum(figures["load_bytes"]) / 2**20
     out: dict[str, int | float] = {
         "Loads": len(loads),
@@ -95,6 +97,7 @@ def summary(figures: Figures) -> dict[str, int | float]:
         "Load throughput (MB/s)": round(load_mb / load_s, 3) if load_s else 0,
         "Saves": len(saves),
         "Avg save time (ms)": round(1e3 * sum(saves) / len(saves), 3) if saves else 0,
+        "Max connector time in a step (ms)": round(1e3 * max(steps), 3) if steps else 0,
     }
     for name in COUNTS:
         out[f"{name.replace('_', ' ').capitalize()}"] = sum(figures[name].values())
@@ -119,6 +122,10 @@ class IntervalStats:
         self._figures[f"{kind}_seconds"].append(seconds)
         self._figures[f"{kind}_bytes"].append(nbytes)
         self._figures[f"{kind}_pages"].append(pages)
+
+    def step(self, seconds: float) -> None:
+        """A step carried a save or a load: the worker's connector calls took ``seconds``."""
+        self._figures["step_seconds"].append(seconds)
 
     def count(self, name: str, key: str) -> None:
         """One more ``key`` (a reason, an entry point) in ``name`` (one of ``COUNTS``)."""

@@ -27,10 +27,13 @@ reads or writes a stale mapping, and dropping it frees the old arena's memory.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -57,6 +60,23 @@ from kvxfer.errors import (
 from kvxfer.pages import PageRuns
 
 log = logging.getLogger("kvxfer.integrations.vllm")
+
+
+Params = ParamSpec("Params")
+Result = TypeVar("Result")
+
+
+def _timed(method: Callable[Concatenate[WorkerSide, Params], Result]
+           ) -> Callable[Concatenate[WorkerSide, Params], Result]:
+    """Count the time ``method`` takes in its step (``WorkerSide._step_s``)."""
+    def timed(self: WorkerSide, /, *args: Params.args, **kwargs: Params.kwargs) -> Result:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._step_s += time.perf_counter() - start
+    functools.update_wrapper(timed, method)
+    return timed
 
 
 @dataclass
@@ -98,6 +118,8 @@ class WorkerSide:
         #: DIAL_NOT_ALLOWED, ...), or REFUSED (by the scheduler half), DAEMON_RESTARTED,
         #: NO_ENDING (past its deadline), COPY_FAILED, or an exception's type.
         self.load_failures: Counter[str] = Counter()
+        #: Seconds this step's connector calls took so far (``_timed``; see ``get_finished``).
+        self._step_s = 0.0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
@@ -130,6 +152,7 @@ class WorkerSide:
 
     # -- prefill -----------------------------------------------------------------------------
 
+    @_timed
     def bind(self, plan: StepPlan) -> None:
         """This step's plan, from the scheduler half; saves into pages of another memory
         epoch than our mapping's re-attach first (a save that cannot is dropped)."""
@@ -143,6 +166,7 @@ class WorkerSide:
                 self._unsaved[save.transfer_id] = (failure_reason(exc),
                                                    f"{type(exc).__name__}: {exc}")
 
+    @_timed
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         """Copy this layer's blocks of every request saved this step into its pages."""
         if not self._plan.saves:
@@ -161,6 +185,7 @@ class WorkerSide:
             self._copy_out[save.transfer_id] = (self._copy_out.get(save.transfer_id, 0.0)
                                                 + time.perf_counter() - start)
 
+    @_timed
     def wait_for_save(self) -> None:
         """Offer every page saved this step; the lease ends with the transfer. A save that
         failed part way is never offered: its pages go back and the decode side's pull fails."""
@@ -204,6 +229,7 @@ class WorkerSide:
 
     # -- decode ------------------------------------------------------------------------------
 
+    @_timed
     def start_load_kv(self) -> None:
         """Drop the loads of requests that ended (reporting them finished, so vLLM frees their
         blocks), and start this step's pulls."""
@@ -248,14 +274,26 @@ class WorkerSide:
             lease_s=self._settings.lease_s, holder=f"vllm {self._engine_id}")
 
     def get_finished(self) -> set[str]:
-        """Requests whose load ended since the last step (failed ones too: see take_failed)."""
-        wait_s = self._settings.idle_wait_s if self._plan.idle else 0.0
-        for end in self._loads.poll(wait_s) + self._loads.expire():
+        """Requests whose load ended since the last step (failed ones too: see take_failed).
+        The step ends here: if it carried a save or a load, the connector's time in it (not
+        counting an idle step's wait for endings) goes into the interval's figures."""
+        if self._plan.idle:
+            self._loads.wait(self._settings.idle_wait_s)  # waiting, not holding up a step
+        start = time.perf_counter()
+        ends = self._loads.poll() + self._loads.expire()
+        for end in ends:
             if end.ok:
                 self._land(end)
             else:
                 self._fail(end.pull.payload.load, end.why, end.reason)
         finished, self._finished = self._finished, set()
+        if ends or self._plan.saves or self._plan.loads:
+            seconds = self._step_s + time.perf_counter() - start
+            self.interval.step(seconds)
+            self._stats.record(role="step", rank=self._rank, seconds=seconds,
+                               saves=len(self._plan.saves), loads=len(self._plan.loads),
+                               ended=len(ends))
+        self._step_s = 0.0
         return finished
 
     def _land(self, end: PullEnd[Loading]) -> None:
