@@ -81,7 +81,8 @@ def test_transfer_latency_reports_every_case() -> None:
 def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
     workdirs = set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*"))
     got = run_benchmark("vllm_disagg.py", "--rounds", "1", "--lengths", "32,96", "--new-tokens", "4",
-                        "--json", timeout=500, python=str(vllm_python()))
+                        "--burst", "2", "--burst-tokens", "64", "--json", timeout=500,
+                        python=str(vllm_python()))
     assert set(Path(tempfile.gettempdir()).glob("kvxfer-vllm-bench-*")) == workdirs, \
         "the benchmark left its work directory behind"
     for row in got["by_prompt_tokens"].values():
@@ -92,6 +93,11 @@ def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
     for n in ("32", "96"):  # every segment of the time to first token, each taking some time
         assert set(got["ttft_breakdown_ms"][n]) == set(SEGMENTS)
         assert all(ms > 0 for ms in got["ttft_breakdown_ms"][n].values()), got["ttft_breakdown_ms"]
+    for side in ("prefill", "decode"):  # saves and loads, after the sequential and burst prompts
+        steps = got["connector_ms_per_step"][side]
+        assert steps["n"] >= 4 and 0 < steps["p50"] <= steps["p99"] <= steps["max"], steps
+    for kind in ("single", "disaggregated"):  # 2 streams of 4 tokens: 3 gaps each
+        assert got["burst"]["inter_token_ms"][kind]["n"] == 6, got["burst"]
 
 
 @pytest.mark.timeout(600)
