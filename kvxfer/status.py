@@ -129,6 +129,10 @@ class LeaseUse:
     arena_epoch: str = ""
 
 
+#: The most offers one KeepOffers or DropOffers call may name.
+MAX_OFFER_HOLDS = 1024
+
+
 @dataclass(frozen=True)
 class OfferHold:
     """An offer a decode engine still wants (to keep) or never will (to drop), named with the

@@ -24,16 +24,6 @@ def _states(client: KvxferClient) -> dict[str, tuple[TransferState, str, float]]
     return {i.transfer_id: (i.state, i.error, i.timeout_s) for i in client.transfers()}
 
 
-def _until_final(client: KvxferClient, transfer_id: str, within_s: float) -> TransferState:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        state = _states(client)[transfer_id][0]
-        if state.final:
-            return state
-        time.sleep(0.1)
-    raise AssertionError(f"{transfer_id} did not end within {within_s} s")
-
-
 def test_a_kept_offer_outlives_its_deadline_and_its_lease_then_moves_intact(spawn) -> None:
     pre = spawn("prefill-keep", [SMALL])
     dec = spawn("decode-keep", [SMALL])
@@ -75,7 +65,9 @@ def test_a_keep_needs_the_capability_and_stops_at_max_offer_s(spawn) -> None:
                                 keep_s=60)
         assert answers[:2] == [0.0, 0.0], answers  # the same answer: nothing learnt
         assert 0 < answers[2] <= 3.0, answers  # capped at 3 s after the offer, not 60 from now
+        deadline = time.monotonic() + 10  # the cap is 3 s; a regression must not hang here
         while not _states(p)["b"][0].final:
+            assert time.monotonic() < deadline, _states(p)
             d.keep_offers(pre.peer_address, [OfferHold("b", b.capability)], keep_s=60)
             time.sleep(0.2)
         states = _states(p)
@@ -130,3 +122,23 @@ def test_keeps_and_drops_refuse_bad_requests_naming_what_was_wrong(spawn) -> Non
             d.keep_offers("192.0.2.1:7500", [hold])  # outside the dial policy: never dialled
         assert _states(p)["bad"][0] == TransferState.WAITING  # nothing above touched it
         assert d.keep_offers(pre.peer_address, [hold])[0] > 0
+
+
+def test_a_keep_from_another_peer_than_the_offer_names_or_past_the_workers_lease_is_bounded(
+        spawn) -> None:
+    """An offer for another peer (by certificate name) is not kept for this one; an offer
+    whose lease the prefill worker still holds (not ending with it) is kept no longer than
+    that lease."""
+    pre = spawn("prefill-who", [SMALL])
+    dec = spawn("decode-who", [SMALL])
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        theirs = p.offer("theirs", "kv", PageRuns.of([(0, 1)]), timeout_s=30,
+                         peer_identity="another-decode")
+        lease = p.allocate("kv", 2, lease_s=4, holder="test prefill")
+        leased = p.offer("leased", "kv", lease.runs, timeout_s=1, lease_id=lease.lease_id)
+        answers = d.keep_offers(pre.peer_address, [OfferHold("theirs", theirs.capability),
+                                                   OfferHold("leased", leased.capability)],
+                                keep_s=60)
+        assert answers[0] == 0.0, answers
+        assert 2.5 < answers[1] <= 4.0, answers  # the worker's lease, not 60 s
+        assert _states(p)["theirs"][2] == 30  # untouched

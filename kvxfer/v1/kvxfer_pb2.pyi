@@ -1437,7 +1437,7 @@ class KeepOffersRequest(_message.Message):
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
     keep_s: _builtins.float
-    """0: this daemon's default transfer deadline"""
+    """0: the prefill daemon's default transfer deadline"""
     @_builtins.property
     def offers(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferHold]: ...
     def __init__(
@@ -1538,6 +1538,7 @@ class PeerKeepOffersRequest(_message.Message):
     OFFERS_FIELD_NUMBER: _builtins.int
     KEEP_S_FIELD_NUMBER: _builtins.int
     keep_s: _builtins.float
+    """0: this daemon's default transfer deadline"""
     @_builtins.property
     def offers(self) -> _containers.RepeatedCompositeFieldContainer[Global___OfferHold]: ...
     def __init__(

@@ -98,8 +98,8 @@ class PageLoads(Generic[P]):
         """The pool was mapped at memory ``epoch``: follow endings from now on; the pulls of
         another epoch end DAEMON_RESTARTED (returned)."""
         self.stop_following()
-        self._cursor = self._client.completions().cursor
         self._epoch = epoch
+        self._cursor = self._client.completions().cursor
         return self._lost(epoch)
 
     def stop_following(self) -> None:
@@ -108,13 +108,17 @@ class PageLoads(Generic[P]):
             self._feed.close(wait=False)
             self._feed = None
 
+    def check_free(self, transfer_id: str) -> None:
+        """TransferExistsError if ``transfer_id`` is still being pulled (or dropped) here."""
+        if transfer_id in self._pending or transfer_id in self._releasing:
+            raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
+
     def start(self, payload: P, transfer_id: str, *, peer: str, pool: str, pages: int,
               skip_pages: int, capability: str, prompt_digest: bytes, epoch: str,
               lease_s: float, holder: str) -> Pull[P]:
         """Lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past the offer's
         first ``skip_pages``; TransferExistsError if it is still being pulled here."""
-        if transfer_id in self._pending or transfer_id in self._releasing:
-            raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
+        self.check_free(transfer_id)
         lease, pulled = self._reach.call(lambda: self._client.lease_and_pull(
             transfer_id, peer, pool, pages, timeout_s=self._timeout_s, lease_s=lease_s,
             holder=holder, arena_epoch=epoch, capability=capability,
@@ -163,7 +167,7 @@ class PageLoads(Generic[P]):
         if self._resync and (self._pending or self._releasing):
             try:
                 ends += self._settle([i for i in self._client.transfers() if i.state.final])
-            except KvxferError as exc:
+            except Exception as exc:  # noqa: BLE001 - the ends settled above must not be lost
                 log.warning("kvxfer: could not ask the daemon for every ended transfer (some "
                             "endings were missed); asking again next step: %s", exc)
                 return ends

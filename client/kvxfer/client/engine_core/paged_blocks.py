@@ -3,10 +3,10 @@ and spans of those rows.
 
 A page of any page-major kind is one row of ``page_bytes``, and each layer of each state
 sits in a known run of it (``page_segments``). An engine whose KV cache keeps each block's
-bytes of a layer together moves a block as one copy per span (``PageRows.copy_out``: an
+bytes of a span together moves a block as one copy per span (``PageRows.copy_out``: an
 engine's blocks into pages; ``copy_in``: pages into an engine's blocks), whatever its
-attention code keeps inside the block. vLLM's blocks are whole layers (``layer_spans``);
-a Mamba engine's states would be one span per segment. Whether the bytes inside a block
+attention code keeps inside the block. vLLM's blocks are whole layers (``layer_spans``, the
+default); a Mamba engine's states would be one span per segment (``page_segments``). Whether the bytes inside a block
 mean the same on both sides is the adapter's to check (vLLM's ``BlockLayout``).
 
 ``PagedBlocks`` maps a daemon's pool for that, with a memory epoch (the daemon's when it
@@ -55,15 +55,19 @@ class PageRows:
 
 
 class PagedBlocks:
-    """One pool of ``client``'s daemon, mapped, whose page spans per layer (``layer_spans``)
-    hold an engine's per-layer blocks (``check`` refuses a pool that does not hold them)."""
+    """One pool of ``client``'s daemon, mapped, whose page spans (``spans``: per layer by
+    default, ``layer_spans``; an engine with Mamba state would name one per segment) hold
+    an engine's block tensors, one tensor per span (``check`` refuses a pool that does not
+    hold them)."""
 
     def __init__(self, client: KvxferClient, reach: Reconnecting, pool: str, *,
-                 check: Callable[[PoolDescriptor], None]) -> None:
+                 check: Callable[[PoolDescriptor], None],
+                 spans: Callable[[PoolLayout], Sequence[Span]] = layer_spans) -> None:
         self._client = client
         self._reach = reach
         self.pool = pool
         self._check = check
+        self._spans_of = spans
         self._mapped: AttachedPool | None = None
         self._rows: PageRows | None = None
         self._spans: tuple[Span, ...] = ()
@@ -87,7 +91,7 @@ class PagedBlocks:
         mapped = self._reach.call(lambda: self._client.attach(self.pool))
         try:
             self._check(mapped.descriptor)
-            spans = layer_spans(mapped.descriptor.layout)
+            spans = tuple(self._spans_of(mapped.descriptor.layout))
         except IncompatibleLayoutError:
             mapped.detach()
             raise
@@ -108,16 +112,16 @@ class PagedBlocks:
                                   "mapping it again failed")
         return self._rows
 
-    def copy_out(self, layer: int, blocks: torch.Tensor, block_ids: Sequence[int],
+    def copy_out(self, span: int, blocks: torch.Tensor, block_ids: Sequence[int],
                  pages: Sequence[int]) -> None:
-        """Layer ``layer``'s blocks ``block_ids`` (of ``blocks``: ``[num_blocks, bytes]``)
-        into ``pages``, block ``i`` into page ``i``."""
-        self._mapped_rows().copy_out(self._spans[layer], blocks, block_ids, pages)
+        """Blocks ``block_ids`` of ``blocks`` (``[num_blocks, bytes]``: the tensor of span
+        number ``span``) into that span of ``pages``, block ``i`` into page ``i``."""
+        self._mapped_rows().copy_out(self._spans[span], blocks, block_ids, pages)
 
-    def copy_in(self, layers: Sequence[torch.Tensor], pages: Sequence[int],
+    def copy_in(self, tensors: Sequence[torch.Tensor], pages: Sequence[int],
                 block_ids: Sequence[int]) -> None:
-        """Every layer of ``pages`` into blocks ``block_ids`` of ``layers`` (one
-        ``[num_blocks, bytes]`` tensor per layer), page ``i`` into block ``i``."""
+        """Every span of ``pages`` into blocks ``block_ids`` of its tensor (one
+        ``[num_blocks, bytes]`` tensor per span, in order), page ``i`` into block ``i``."""
         rows = self._mapped_rows()
-        for span, kv in zip(self._spans, layers, strict=True):
-            rows.copy_in(span, kv, pages, block_ids)
+        for span, blocks in zip(self._spans, tensors, strict=True):
+            rows.copy_in(span, blocks, pages, block_ids)

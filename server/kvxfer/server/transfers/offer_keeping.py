@@ -31,12 +31,10 @@ from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import presents
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
-from kvxfer.status import OfferHold, TransferRole, TransferState
+from kvxfer.status import MAX_OFFER_HOLDS, OfferHold, TransferRole, TransferState
 
 log = logging.getLogger("kvxfer.server.transfers")
 
-#: The most offers one keep or drop may name.
-MAX_HOLDS = 1024
 #: How much longer than the offer a lease that ends with it is renewed for.
 LEASE_MARGIN_S = 1.0
 #: How long a keep or a drop call to the prefill daemon may take.
@@ -44,9 +42,9 @@ PEER_CALL_S = 5.0
 
 
 def _check_holds(holds: Sequence[OfferHold]) -> None:
-    if len(holds) > MAX_HOLDS:
+    if len(holds) > MAX_OFFER_HOLDS:
         raise InvalidArgumentError(f"{len(holds)} offers named; a call may name at most "
-                                   f"{MAX_HOLDS} (split them)")
+                                   f"{MAX_OFFER_HOLDS} (split them)")
     for hold in holds:
         check_id("offers[].transfer_id", hold.transfer_id)
         check_text("offers[].capability", hold.capability)
@@ -83,6 +81,8 @@ class OfferKeeping:
         now = time.monotonic()
         until = min(now + keep_s, t.registered + self._max_offer_s)
         if t.lease_id:
+            if not self._leases.held(t.lease_id):
+                return 0.0  # its lease ended: the transfer is failing with it
             lease = self._leases.get(t.lease_id)
             if not t.release_lease:
                 until = min(until, lease.expires)  # the prefill worker's lease bounds it

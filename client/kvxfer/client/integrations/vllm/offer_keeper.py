@@ -4,13 +4,15 @@ drops those a request will never pull, off vLLM's scheduler loop.
 A prefill engine's offer waits for its pull until its deadline (``timeout_s``); a decode
 request can wait in its engine's queue for longer. From the moment the decode engine sees
 the request (``want``) until its load is planned (``stop``), a thread of ours keeps its
-offers alive: every ``every_s``, one ``KeepOffers`` call to the local daemon per prefill
-daemon, for all the offers wanted from it, each moving the deadline to ``keep_s`` from then
-(the prefill daemon caps it at its ``--max-offer-s``). A request that ends before its load,
-or loads nothing, has its offers dropped (``drop``), which frees their pages at the prefill
-daemon at once instead of at their deadline. The scheduler only records and signals: none
-of these calls waits on a daemon. A failed keep or drop is logged and never reaches vLLM:
-an offer not kept ends at its deadline, and its load then fails as it would without us.
+offers alive: every ``every_s`` (the first keep of a request comes within ``every_s`` of
+its arrival), one ``KeepOffers`` call to the local daemon per prefill daemon and
+``MAX_OFFER_HOLDS`` offers, for all the offers wanted from it, each moving the deadline to
+``keep_s`` from then (the prefill daemon caps it at its ``--max-offer-s``). A request that
+ends before its load, or loads nothing, has its offers dropped (``drop``), which frees their
+pages at the prefill daemon at once instead of at their deadline. The scheduler only
+records and signals: none of these calls waits on a daemon. A failed keep or drop is
+logged and never reaches vLLM: an offer not kept ends at its deadline, and its load then
+fails as it would without us.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import KvxferError
-from kvxfer.status import OfferHold
+from kvxfer.status import MAX_OFFER_HOLDS, OfferHold
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -42,8 +44,8 @@ class OfferKeeper:
         self._to_drop: list[tuple[str, tuple[OfferHold, ...], str]] = []
         self._changed = threading.Condition()
         self._closed = False
-        #: Keep calls answered, offers they kept, and offers dropped (for tests and logs).
-        self.kept_calls = self.kept_offers = self.dropped_offers = 0
+        #: Offers kept (counted per keep) and offers dropped, for tests and logs.
+        self.kept_offers = self.dropped_offers = 0
         self._thread = threading.Thread(target=self._run, name="kvxfer offer keeper", daemon=True)
         self._thread.start()
 
@@ -97,7 +99,8 @@ class OfferKeeper:
             if keep_now:
                 next_keep = time.monotonic() + self._every_s
                 for peer, holds_of_peer in by_peer.items():
-                    self._keep(peer, holds_of_peer)
+                    for first in range(0, len(holds_of_peer), MAX_OFFER_HOLDS):
+                        self._keep(peer, holds_of_peer[first:first + MAX_OFFER_HOLDS])
 
     def _keep(self, peer: str, holds: list[OfferHold]) -> None:
         try:
@@ -106,7 +109,6 @@ class OfferKeeper:
             log.warning("could not keep %d offers of %s alive (%s: %s); they end at their "
                         "deadline unless pulled by then", len(holds), peer, type(exc).__name__, exc)
             return
-        self.kept_calls += 1
         self.kept_offers += sum(1 for seconds in remaining if seconds > 0)
         for hold, seconds in zip(holds, remaining, strict=False):
             if seconds <= 0:
@@ -115,7 +117,9 @@ class OfferKeeper:
 
     def _drop(self, peer: str, holds: tuple[OfferHold, ...], reason: str) -> None:
         try:
-            self.dropped_offers += self._client.drop_offers(peer, holds, reason)
+            for first in range(0, len(holds), MAX_OFFER_HOLDS):
+                self.dropped_offers += self._client.drop_offers(
+                    peer, holds[first:first + MAX_OFFER_HOLDS], reason)
         except KvxferError as exc:
             log.warning("could not drop %d offers of %s (%s: %s); they end at their deadline",
                         len(holds), peer, type(exc).__name__, exc)

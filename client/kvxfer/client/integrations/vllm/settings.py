@@ -61,6 +61,7 @@ class ConnectorSettings(BaseModel):
             return self.timeout_s / 3
         return self.keep_offers_every_s
 
+
 def load_settings(extra: dict[str, Any]) -> ConnectorSettings:
     """The settings from ``kv_connector_extra_config``; InvalidSpecError names a bad key."""
     try:

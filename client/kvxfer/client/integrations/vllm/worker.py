@@ -253,6 +253,7 @@ class WorkerSide:
         more). A transfer id this worker is still loading (params used twice) is refused."""
         loading = Loading(load, LoadTimeline(load.planned_unix))
         loading.timeline.mark("started")
+        self._loads.check_free(rank_transfer(load.transfer_id, self._rank, self._layout.tp_size))
         if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
             self._attach()
         try:
@@ -280,7 +281,13 @@ class WorkerSide:
         if self._plan.idle:
             self._loads.wait(self._settings.idle_wait_s)  # waiting, not holding up a step
         start = time.perf_counter()
-        ends = self._loads.poll() + self._loads.expire()
+        try:
+            ends = self._loads.poll()
+        except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
+            log.warning("kvxfer: could not take the transfers that ended: %s: %s",
+                        type(exc).__name__, exc)
+            ends = []
+        ends += self._loads.expire()
         for end in ends:
             if end.ok:
                 self._land(end)
