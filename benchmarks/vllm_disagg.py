@@ -24,7 +24,8 @@ daemon), ``transfer`` (the daemons' pull until the worker took its ending),
 With ``--burst N``, each round then sends N streams together (``--burst-gap-ms`` apart,
 ``--burst-tokens`` long prompts), to each deployment in turn, so that running decodes
 generate tokens while the later streams' KV lands, and prints the inter-token latency
-of those streams (the gaps after each one's first token), p50 and p99, for both. Always:
+of those streams (the gaps between the chunks streamed after each one's first; vLLM may
+put several tokens in one chunk under load), p50 and p99, for both. Always:
 from the connector's own records (``role: step``), per engine, the time its calls took
 in each model step that carried a save or a load (per rank, not counting an idle step's
 wait for endings), p50, p99 and max.

