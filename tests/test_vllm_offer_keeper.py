@@ -6,6 +6,7 @@ vLLM (``test_vllm_connector``'s stand-ins), real daemons."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -58,6 +59,22 @@ def pair(spawn):
     return spawn("prefill", [POOL]), spawn("decode", [POOL])
 
 
+@pytest.fixture
+def kept(pair) -> Iterator[tuple[KvxferClient, Engines, OfferKeeper]]:
+    """A client of the prefill daemon, both engines' halves and the decode side's keeper;
+    all closed at teardown, whatever the test did."""
+    pre, dec = pair
+    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
+        keeper = OfferKeeper(d, every_s=KEEP_EVERY_S, keep_s=OFFER_S)
+        h = engines(pre, dec, p, keeper)
+        try:
+            yield p, h, keeper
+        finally:
+            keeper.close()
+            h.work_p.shutdown()
+            h.work_d.shutdown()
+
+
 @pytest.mark.parametrize("kept", [True, False], ids=["kept", "negative-control"])
 def test_a_request_queued_past_its_offers_deadline_still_loads_it(pair, kept: bool) -> None:
     """Queued for twice the offer's deadline: with the keeper its KV loads, byte for byte;
@@ -89,42 +106,30 @@ def test_a_request_queued_past_its_offers_deadline_still_loads_it(pair, kept: bo
         h.work_d.shutdown()
 
 
-def test_a_request_that_ends_in_the_queue_frees_the_prefill_pages_at_once(pair) -> None:
-    pre, dec = pair
-    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
-        keeper = OfferKeeper(d, every_s=KEEP_EVERY_S, keep_s=OFFER_S)
-        h = engines(pre, dec, p, keeper)
-        params = h.prefill("gone-p", [1, 2])
-        assert p.leased_pages() == {"kv": 2}
-        dreq = Request("gone-d", 64, params, status=SimpleNamespace(name="FINISHED_ABORTED"))
-        h.sched_d.on_new_request(dreq)
-        assert keeper.wanted() == 1
-        h.sched_d.request_finished(dreq)  # its client went away while it was queued
-        deadline = time.monotonic() + OFFER_S / 2  # well before the offer's own deadline
-        while p.leased_pages() != {"kv": 0}:
-            assert time.monotonic() < deadline, p.transfers()
-            time.sleep(0.05)
-        [offer] = [i for i in p.transfers() if i.transfer_id == "P/gone-p"]
-        assert offer.state == TransferState.ABORTED, offer
-        assert "decode request gone-d: it ended before its KV was loaded" in offer.error
-        assert keeper.dropped_offers == 1 and keeper.wanted() == 0
-        keeper.close()
-        h.work_p.shutdown()
-        h.work_d.shutdown()
+def test_a_request_that_ends_in_the_queue_frees_the_prefill_pages_at_once(kept) -> None:
+    p, h, keeper = kept
+    params = h.prefill("gone-p", [1, 2])
+    assert p.leased_pages() == {"kv": 2}
+    dreq = Request("gone-d", 64, params, status=SimpleNamespace(name="FINISHED_ABORTED"))
+    h.sched_d.on_new_request(dreq)
+    assert keeper.wanted() == 1
+    h.sched_d.request_finished(dreq)  # its client went away while it was queued
+    deadline = time.monotonic() + OFFER_S / 2  # well before the offer's own deadline
+    while p.leased_pages() != {"kv": 0}:
+        assert time.monotonic() < deadline, p.transfers()
+        time.sleep(0.05)
+    [offer] = [i for i in p.transfers() if i.transfer_id == "P/gone-p"]
+    assert offer.state == TransferState.ABORTED, offer
+    assert "decode request gone-d: it ended before its KV was loaded" in offer.error
+    assert keeper.dropped_offers == 1 and keeper.wanted() == 0
 
 
-def test_params_the_decode_engine_refuses_are_not_kept(pair) -> None:
-    pre, dec = pair
-    with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
-        keeper = OfferKeeper(d, every_s=KEEP_EVERY_S, keep_s=OFFER_S)
-        h = engines(pre, dec, p, keeper)
-        params = h.prefill("other-p", [1])
-        params["kvxfer"]["model"]["fingerprint"] = "f" * 32  # another model's KV
-        h.sched_d.on_new_request(Request("other-d", 32, params))
-        assert keeper.wanted() == 0
-        keeper.close()
-        h.work_p.shutdown()
-        h.work_d.shutdown()
+def test_params_the_decode_engine_refuses_are_not_kept(kept) -> None:
+    _, h, keeper = kept
+    params = h.prefill("other-p", [1])
+    params["kvxfer"]["model"]["fingerprint"] = "f" * 32  # another model's KV
+    h.sched_d.on_new_request(Request("other-d", 32, params))
+    assert keeper.wanted() == 0
 
 
 def test_a_keep_interval_not_below_the_deadline_is_refused_and_the_default_follows_it() -> None:

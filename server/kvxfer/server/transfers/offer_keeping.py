@@ -41,6 +41,13 @@ LEASE_MARGIN_S = 1.0
 PEER_CALL_S = 5.0
 
 
+def _check_call(peer: str, holds: Sequence[OfferHold]) -> None:
+    """A worker's keep or drop names the prefill daemon and at most ``MAX_OFFER_HOLDS``."""
+    _check_holds(holds)
+    if not peer:
+        raise InvalidArgumentError("peer is empty; expected the prefill daemon's host:port")
+
+
 def _check_holds(holds: Sequence[OfferHold]) -> None:
     if len(holds) > MAX_OFFER_HOLDS:
         raise InvalidArgumentError(f"{len(holds)} offers named; a call may name at most "
@@ -100,10 +107,8 @@ class OfferKeeping:
     async def keep_at(self, peer: str, holds: Sequence[OfferHold], keep_s: float) -> list[float]:
         """Keep ``holds`` waiting at the prefill daemon ``peer``; the seconds each now waits
         there (0: not kept)."""
-        _check_holds(holds)
+        _check_call(peer, holds)
         check_seconds("keep_s (0 means the default transfer deadline)", keep_s)
-        if not peer:
-            raise InvalidArgumentError("peer is empty; expected the prefill daemon's host:port")
         if not holds:
             return []
         client = await self._clients.get(peer)
@@ -113,10 +118,8 @@ class OfferKeeping:
         """End ``holds`` at the prefill daemon ``peer`` (ABORTED, ``reason``); how many ended
         there (the rest had ended, or were not open to us). Raises when the peer cannot be
         reached."""
-        _check_holds(holds)
+        _check_call(peer, holds)
         check_text("reason", reason)
-        if not peer:
-            raise InvalidArgumentError("peer is empty; expected the prefill daemon's host:port")
         client = await self._clients.get(peer)
         why = reason or "its puller will not pull it"
         ended = await asyncio.gather(
