@@ -16,10 +16,11 @@ from dataclasses import fields
 from typing import Any
 
 from kvxfer.errors import InvalidSpecError
-from kvxfer.layout.specs import MambaSpec, MhaSpec, MlaSpec, PoolSpec
+from kvxfer.layout.specs import MambaSpec, MhaHeadMajorSpec, MhaSpec, MlaSpec, PoolSpec
 
 #: Every kind's spec class, by the kind's name.
-SPEC_CLASSES: dict[str, type[PoolSpec]] = {cls.kind.value: cls for cls in (MhaSpec, MlaSpec, MambaSpec)}
+SPEC_CLASSES: dict[str, type[PoolSpec]] = {
+    cls.kind.value: cls for cls in (MhaSpec, MhaHeadMajorSpec, MlaSpec, MambaSpec)}
 
 #: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -31,6 +32,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                         dtype="bfloat16", page_size=1, num_pages=8192),
     "tiny": dict(kind="mha", layer_num=4, head_num=2, head_dim=64, v_head_dim=64,
                  dtype="bfloat16", page_size=16, num_pages=64),
+    # vLLM's CPU blocks of a tiny model: head by head, K transposed, 32-token pages.
+    "tiny-head-major": dict(kind="mha_head_major", layer_num=4, head_num=2, head_dim=64,
+                            dtype="bfloat16", page_size=32, num_pages=64),
     "mla-small": dict(kind="mla", layer_num=4, kv_lora_rank=128, qk_rope_head_dim=32,
                       dtype="bfloat16", page_size=16, num_pages=64),
     "mamba-small": dict(kind="mamba", layer_num=4, conv_state_shapes=[[64, 4]],

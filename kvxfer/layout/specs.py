@@ -6,12 +6,14 @@ one page is one contiguous block of ``page_bytes`` (this is what lets a run of
 pages move as one copy)::
 
     MHA page = [L0_K x ps | L0_V x ps | L1_K x ps | L1_V x ps | ...]
+    head-major MHA page = [L0: H0 (K^T hd x ps | V ps x hd) | H1 (...) | ... | L1: ...]
     MLA page = [L0_latent x ps | L1_latent x ps | ...]       (MHA, one head, no V)
     Mamba slot = [conv0 x layers | conv1 x layers | ... | temporal x layers]
 
 Each spec derives its views (``view_specs``); the offsets, shapes and strides
 are byte-for-byte those of SGLang's page-major layout
-(``shared/reference/page_major.py``).
+(``shared/reference/page_major.py``). The head-major MHA kind is not SGLang's: it
+is how vLLM's CPU attention lays out a block (see ``MhaHeadMajorSpec``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class PoolKind(enum.Enum):
     """What a pool stores."""
 
     MHA = "mha"
+    MHA_HEAD_MAJOR = "mha_head_major"
     MLA = "mla"
     MAMBA = "mamba"
 
@@ -152,6 +155,61 @@ class MhaSpec(_TokenPaged):
                     offset_bytes=v_base,
                 )
             )
+        return tuple(views)
+
+
+@dataclass(frozen=True)
+class MhaHeadMajorSpec(_TokenPaged):
+    """Multi-head (GQA) attention KV laid out head by head, as vLLM's CPU attention keeps a
+    block (its ``LBHNC`` cache layout; the ``vec`` and ``vec16`` kernels write the same
+    bytes): within a page, per layer, per KV head, K dim-major (``head_dim`` rows of
+    ``page_size`` slots: K transposed), then V slot-major (``page_size`` rows of
+    ``head_dim``). One layer's run of heads is one contiguous run of a page, and a block
+    of ``n * page_size`` slots in this layout holds ``n`` pages' slots in order (its views
+    at ``page_size = n * page_size`` say where)."""
+
+    layer_num: int
+    head_num: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    num_pages: int
+
+    kind = PoolKind.MHA_HEAD_MAJOR
+
+    def __post_init__(self) -> None:
+        for name in ("layer_num", "head_num", "head_dim", "page_size", "num_pages"):
+            positive(name, getattr(self, name))
+        torch_dtype(self.dtype)
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of one layer in a page: its K and its V."""
+        return 2 * self.page_size * self.head_dim * itemsize(self.dtype)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one token slot across all layers, K and V."""
+        return self.layer_num * 2 * self.head_num * self.head_dim * itemsize(self.dtype)
+
+    def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
+        """Per-layer K and V views, in layer order (K0, V0, K1, V1, ...), each
+        ``(num_pages, page_size, heads, head_dim)`` like an MHA pool's."""
+        size = itemsize(self.dtype)
+        page_elems = self.page_bytes // size
+        head_elems = self.head_bytes // size
+        views = []
+        for layer in range(self.layer_num):
+            k_base = anchor_bytes + layer * self.head_num * self.head_bytes
+            v_base = k_base + self.head_dim * self.page_size * size
+            views.append(ViewSpec(
+                role=ViewRole.K, index=layer, dtype=self.dtype,
+                shape=(self.num_pages, self.page_size, self.head_num, self.head_dim),
+                stride=(page_elems, 1, head_elems, self.page_size), offset_bytes=k_base))
+            views.append(ViewSpec(
+                role=ViewRole.V, index=layer, dtype=self.dtype,
+                shape=(self.num_pages, self.page_size, self.head_num, self.head_dim),
+                stride=(page_elems, self.head_dim, head_elems, 1), offset_bytes=v_base))
         return tuple(views)
 
 
@@ -329,4 +387,4 @@ class MambaSpec:
         return tuple(views)
 
 
-PoolSpec = MhaSpec | MlaSpec | MambaSpec
+PoolSpec = MhaSpec | MhaHeadMajorSpec | MlaSpec | MambaSpec

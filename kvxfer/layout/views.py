@@ -58,13 +58,14 @@ class ViewSpec:
         return self.offset_bytes + (last + 1) * size
 
     def build(self, raw: torch.Tensor) -> torch.Tensor:
-        """The view over ``raw`` (a 1-D uint8 tensor), sharing its memory."""
+        """The view over ``raw`` (a 1-D uint8 tensor, which may itself start inside a larger
+        storage), sharing its memory; ``offset_bytes`` counts from ``raw``'s first byte."""
         typed = raw.view(torch_dtype(self.dtype))
         return torch.as_strided(
             typed,
             size=self.shape,
             stride=self.stride,
-            storage_offset=self.offset_bytes // itemsize(self.dtype),
+            storage_offset=typed.storage_offset() + self.offset_bytes // itemsize(self.dtype),
         )
 
 

@@ -140,6 +140,45 @@ class MhaSpec(_message.Message):
 Global___MhaSpec: _TypeAlias = MhaSpec  # noqa: Y015
 
 @_typing.final
+class MhaHeadMajorSpec(_message.Message):
+    """MHA KV head by head, as vLLM's CPU attention keeps a block: per page, per layer,
+    per KV head, K transposed (head_dim rows of page_size slots), then V (page_size
+    rows of head_dim).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_NUM_FIELD_NUMBER: _builtins.int
+    HEAD_NUM_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_PAGES_FIELD_NUMBER: _builtins.int
+    layer_num: _builtins.int
+    head_num: _builtins.int
+    head_dim: _builtins.int
+    dtype: _builtins.str
+    page_size: _builtins.int
+    num_pages: _builtins.int
+    def __init__(
+        self,
+        *,
+        layer_num: _builtins.int = ...,
+        head_num: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        page_size: _builtins.int = ...,
+        num_pages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "head_dim", b"head_dim", "head_num", b"head_num", "layer_num", b"layer_num", "num_pages", b"num_pages", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MhaHeadMajorSpec: _TypeAlias = MhaHeadMajorSpec  # noqa: Y015
+
+@_typing.final
 class MlaSpec(_message.Message):
     """DeepSeek-style compressed KV: laid out as MHA with one head of
     kv_lora_rank + qk_rope_head_dim and no V block.
@@ -242,24 +281,28 @@ class PoolSpec(_message.Message):
     MHA_FIELD_NUMBER: _builtins.int
     MLA_FIELD_NUMBER: _builtins.int
     MAMBA_FIELD_NUMBER: _builtins.int
+    MHA_HEAD_MAJOR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def mha(self) -> Global___MhaSpec: ...
     @_builtins.property
     def mla(self) -> Global___MlaSpec: ...
     @_builtins.property
     def mamba(self) -> Global___MambaSpec: ...
+    @_builtins.property
+    def mha_head_major(self) -> Global___MhaHeadMajorSpec: ...
     def __init__(
         self,
         *,
         mha: Global___MhaSpec | None = ...,
         mla: Global___MlaSpec | None = ...,
         mamba: Global___MambaSpec | None = ...,
+        mha_head_major: Global___MhaHeadMajorSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mla", b"mla"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mla", b"mla"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["mha", "mla", "mamba"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["mha", "mla", "mamba", "mha_head_major"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

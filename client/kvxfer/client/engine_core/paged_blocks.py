@@ -9,6 +9,10 @@ attention code keeps inside the block. vLLM's blocks are whole layers (``layer_s
 default); a Mamba engine's states would be one span per segment (``page_segments``). Whether the bytes inside a block
 mean the same on both sides is the adapter's to check (vLLM's ``BlockLayout``).
 
+An engine whose blocks are several pages long (``block_size`` a multiple of the pool's
+``page_size``) moves them through the pool's views instead (``block_tiling``): page ``k`` of
+a request is then part ``k % n`` of its block ``k // n``.
+
 ``PagedBlocks`` maps a daemon's pool for that, with a memory epoch (the daemon's when it
 was mapped): ``attach`` maps it again, dropping the old mapping first, after a restart.
 """
@@ -19,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from kvxfer.client.engine_core.block_tiling import BlockTiling
 from kvxfer.client.engine_core.page_segments import layer_spans
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import AttachedPool, KvxferClient
@@ -35,6 +40,7 @@ class PageRows:
     """The pages of ``layout`` in ``raw`` (a buffer's bytes) as ``[num_pages, page_bytes]``."""
 
     def __init__(self, raw: torch.Tensor, layout: PoolLayout) -> None:
+        self.raw = raw
         start = layout.anchor_bytes
         self.rows = raw[start:start + layout.num_pages * layout.page_bytes].view(
             layout.num_pages, layout.page_bytes)
@@ -58,11 +64,13 @@ class PagedBlocks:
     """One pool of ``client``'s daemon, mapped, whose page spans (``spans``: per layer by
     default, ``layer_spans``; an engine with Mamba state would name one per segment) hold
     an engine's block tensors, one tensor per span (``check`` refuses a pool that does not
-    hold them)."""
+    hold them). With ``block_size`` above the pool's page size, each block is several
+    pages and a span is a layer (``block_tiling``)."""
 
     def __init__(self, client: KvxferClient, reach: Reconnecting, pool: str, *,
                  check: Callable[[PoolDescriptor], None],
-                 spans: Callable[[PoolLayout], Sequence[Span]] = layer_spans) -> None:
+                 spans: Callable[[PoolLayout], Sequence[Span]] = layer_spans,
+                 block_size: int | None = None) -> None:
         self._client = client
         self._reach = reach
         self.pool = pool
@@ -71,6 +79,8 @@ class PagedBlocks:
         self._mapped: AttachedPool | None = None
         self._rows: PageRows | None = None
         self._spans: tuple[Span, ...] = ()
+        self._block_size = block_size
+        self._tiling: BlockTiling | None = None
         #: The memory epoch of the mapping ("" when not mapped).
         self.epoch = ""
 
@@ -89,19 +99,25 @@ class PagedBlocks:
         ``check`` or ``layer_spans`` leaves it unmapped."""
         self.detach()
         mapped = self._reach.call(lambda: self._client.attach(self.pool))
+        layout = mapped.descriptor.layout
         try:
             self._check(mapped.descriptor)
-            spans = tuple(self._spans_of(mapped.descriptor.layout))
+            spans = tuple(self._spans_of(layout))
+            block_size = self._block_size
+            tiling = (BlockTiling(layout, block_size)
+                      if block_size is not None and block_size != layout.spec.page_size else None)
         except IncompatibleLayoutError:
             mapped.detach()
             raise
-        self._rows = PageRows(mapped.raw, mapped.descriptor.layout)
-        self._mapped, self._spans, self.epoch = mapped, spans, mapped.epoch
+        self._rows = PageRows(mapped.raw, layout)
+        self._mapped, self._spans, self._tiling = mapped, spans, tiling
+        self.epoch = mapped.epoch
 
     def detach(self) -> None:
         """Drop the mapping (its memory is freed once the daemon's arena is gone too)."""
         self.epoch = ""
         self._rows = None
+        self._tiling = None
         if self._mapped is not None:
             self._mapped.detach()
             self._mapped = None
@@ -115,13 +131,22 @@ class PagedBlocks:
     def copy_out(self, span: int, blocks: torch.Tensor, block_ids: Sequence[int],
                  pages: Sequence[int]) -> None:
         """Blocks ``block_ids`` of ``blocks`` (``[num_blocks, bytes]``: the tensor of span
-        number ``span``) into that span of ``pages``, block ``i`` into page ``i``."""
-        self._mapped_rows().copy_out(self._spans[span], blocks, block_ids, pages)
+        number ``span``) into that span of ``pages``, block ``i`` into page ``i`` (or, of
+        blocks of several pages, into pages ``i * n`` on)."""
+        rows = self._mapped_rows()
+        if self._tiling is not None:
+            self._tiling.copy_out(rows.raw, span, blocks, block_ids, pages)
+        else:
+            rows.copy_out(self._spans[span], blocks, block_ids, pages)
 
     def copy_in(self, tensors: Sequence[torch.Tensor], pages: Sequence[int],
                 block_ids: Sequence[int]) -> None:
         """Every span of ``pages`` into blocks ``block_ids`` of its tensor (one
-        ``[num_blocks, bytes]`` tensor per span, in order), page ``i`` into block ``i``."""
+        ``[num_blocks, bytes]`` tensor per span, in order), page ``i`` into block ``i`` (or,
+        of blocks of several pages, pages ``i * n`` on into block ``i``)."""
         rows = self._mapped_rows()
-        for span, blocks in zip(self._spans, tensors, strict=True):
-            rows.copy_in(span, blocks, pages, block_ids)
+        for number, (span, blocks) in enumerate(zip(self._spans, tensors, strict=True)):
+            if self._tiling is not None:
+                self._tiling.copy_in(rows.raw, number, blocks, pages, block_ids)
+            else:
+                rows.copy_in(span, blocks, pages, block_ids)
