@@ -28,7 +28,7 @@ from kvxfer.client.integrations.vllm.stats import IntervalStats
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 
 LAYOUT = BlockLayout(dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
-                     head_size=64, tp_size=1, block_format="LBHNC/cpu-vec")
+                     head_size=64, tp_size=1, block_format="mha_head_major")
 MODEL = ModelIdentity(fingerprint="0123456789abcdef" * 2, name="tiny", vllm_version="0.32.0")
 SETTINGS = load_settings({"daemon": "unix:///nonexistent/kvxfer.sock", "pool": "kv"})
 

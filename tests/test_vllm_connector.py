@@ -9,6 +9,7 @@ same code inside real vLLM engines.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from kvxfer.client import KvxferClient
-from kvxfer.client.integrations.vllm.layout import BlockLayout, check_pool, pool_flag
+from kvxfer.client.integrations.vllm.layout import BlockLayout, PageLayout, check_pool, pool_flag
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
@@ -31,7 +32,7 @@ from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError, TransferNotFoundError
 
 LAYOUT = BlockLayout(dtype="bfloat16", block_size=32, num_layers=2, num_kv_heads=2,
-                     head_size=64, tp_size=1, block_format="LBHNC/cpu-vec")
+                     head_size=64, tp_size=1, block_format="mha_head_major")
 MODEL = ModelIdentity(fingerprint="0123456789abcdef" * 2, name="tiny", vllm_version="0.32.0")
 POOL = pool_flag(LAYOUT, "kv", 64)
 NUM_BLOCKS = 16
@@ -167,7 +168,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         assert params is not None and params["do_remote_prefill"] is True
         remote = parse_remote_prefill(params, LAYOUT, MODEL)
         assert isinstance(remote, RemotePrefill) and remote.peer == pre.peer_address
-        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 2
+        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 3
 
         # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
         dreq = Request("d1", 70, params)
@@ -251,15 +252,15 @@ def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) ->
 
 
 def test_a_layout_that_differs_is_refused_naming_every_difference(caplog) -> None:
-    theirs = BlockLayout(**{**LAYOUT.as_dict(), "block_size": 16, "block_format": "LBHNC/cpu-vec16"})
+    theirs = PageLayout(**{**LAYOUT.as_dict(), "page_size": 16, "block_format": "LBHNC/cpu-amx"})
     params = RemotePrefill("P/x", "127.0.0.1:1", ("0" * 32,), theirs, MODEL).to_params()
     sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, MODEL, "D", producer=False, consumer=True,
                           client=None)
     req = Request("x", 40, params)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # computed here, nothing loaded
     assert sched.refusals == {"layout": 1}
-    assert "block_size: ours 32, theirs 16" in caplog.text
-    assert "block_format: ours 'LBHNC/cpu-vec', theirs 'LBHNC/cpu-vec16'" in caplog.text
+    assert "page_size: ours 32, theirs 16" in caplog.text
+    assert "block_format: ours 'mha_head_major', theirs 'LBHNC/cpu-amx'" in caplog.text
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False) and sched.refusals == {"layout": 1}
 
 
@@ -269,10 +270,10 @@ def test_compatibility_is_by_bytes_and_model_not_by_names_or_versions(caplog) ->
     sched = SchedulerSide(settings("unix:///nowhere"), LAYOUT, MODEL, "D", producer=False, consumer=True,
                           client=None)
     renamed = ModelIdentity(MODEL.fingerprint, "/elsewhere/tiny", "0.31.0")
-    params = RemotePrefill("P/a", "127.0.0.1:1", ("0" * 32,), LAYOUT, renamed).to_params()
+    params = RemotePrefill("P/a", "127.0.0.1:1", ("0" * 32,), LAYOUT.page, renamed).to_params()
     assert sched.get_num_new_matched_tokens(Request("a", 40, params), 0) == (40, True)
     other = ModelIdentity("f" * 32, "tiny", "0.32.0")
-    params = RemotePrefill("P/b", "127.0.0.1:1", ("0" * 32,), LAYOUT, other).to_params()
+    params = RemotePrefill("P/b", "127.0.0.1:1", ("0" * 32,), LAYOUT.page, other).to_params()
     assert sched.get_num_new_matched_tokens(Request("b", 40, params), 0) == (0, False)
     assert sched.refusals == {"model": 1}
     assert f"fingerprint {'f' * 32} ('tiny'), ours {MODEL.fingerprint} ('tiny')" in caplog.text
@@ -296,7 +297,7 @@ class PendingLoad:
 def pending_load(pre, dec, req_id: str, **extra: Any) -> Iterator[PendingLoad]:
     """Start loading a 64-token prompt into blocks 8 and 9 from a prefill daemon frozen
     (SIGSTOP) for the duration, so that the load stays in flight."""
-    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32,), LAYOUT, MODEL).to_params()
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32,), LAYOUT.page, MODEL).to_params()
     sched = SchedulerSide(settings(dec.worker_address), LAYOUT, MODEL, "D", producer=False, consumer=True,
                           client=None)
     worker = WorkerSide(settings(dec.worker_address, **extra), LAYOUT, "D")
@@ -363,12 +364,16 @@ def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> No
 
 
 def test_a_pool_that_does_not_hold_the_blocks_is_refused_with_the_flag_that_would(spawn) -> None:
-    d = spawn("wrong", ["name=kv,preset=tiny"])
+    d = spawn("wrong", ["name=kv,preset=tiny-head-major,page_size=16",
+                        "name=slots,preset=tiny,page_size=32"])
     with KvxferClient(d.worker_address) as kv:
         descriptor, _ = kv.describe("kv")
+        slot_major, _ = kv.describe("slots")
     with pytest.raises(IncompatibleLayoutError, match=r"page_size is 16, the engine needs 32") as err:
         check_pool(LAYOUT, descriptor)
     assert pool_flag(LAYOUT, "kv", 64) in str(err.value)
+    with pytest.raises(IncompatibleLayoutError, match=r"kind is mha, the engine needs mha_head_major"):
+        check_pool(LAYOUT, slot_major)
 
 
 def test_an_unknown_connector_setting_is_refused() -> None:
@@ -379,7 +384,7 @@ def test_an_unknown_connector_setting_is_refused() -> None:
 def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
     """TP 2: one lease and one transfer per rank; each rank's blocks land in the same rank."""
     pre, dec = pair
-    tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
+    tp2 = dataclasses.replace(LAYOUT, tp_size=2)
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         sched_p = SchedulerSide(settings(pre.worker_address), tp2, MODEL, "P", producer=True,
                                 consumer=False, client=p)
@@ -426,8 +431,8 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
     would wait for its 20 s deadline, but rank 1 aborts it: both ranks report the request
     failed within seconds, and no page stays leased."""
     pre, dec = pair
-    tp2 = BlockLayout(**{**LAYOUT.as_dict(), "tp_size": 2})
-    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2, MODEL).to_params()
+    tp2 = dataclasses.replace(LAYOUT, tp_size=2)
+    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2.page, MODEL).to_params()
     sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False, consumer=True,
                           client=None)
     workers = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in range(2)]

@@ -1,8 +1,8 @@
-"""``kv_transfer_params`` v2 against an oracle: 10,000 generated params, valid and malformed,
+"""``kv_transfer_params`` v3 against an oracle: 10,000 generated params, valid and malformed,
 through both connector halves' entry points (the scheduler half of a decode engine and of a
 prefill engine), each predicted to load or be refused for a stated reason.
 
-The generator builds each case from a valid v2 params object and one labelled mutation, so
+The generator builds each case from a valid v3 params object and one labelled mutation, so
 the oracle is the label, not a second parser. Per case the decode half must load exactly
 the valid ones (the engine's own prompt length, never a number from params) and refuse the
 rest with the predicted reason; over the run its ``refusals`` counters must equal the
@@ -34,7 +34,7 @@ CASES = 10_000
 #: The reasons the decode half refuses params for (``protocol.RefusalReason``).
 REFUSALS = ("malformed", "version", "layout", "model", "unsupported")
 
-LAYOUT_INTS = ("block_size", "num_layers", "num_kv_heads", "head_size", "tp_size")
+LAYOUT_INTS = ("page_size", "num_layers", "num_kv_heads", "head_size", "tp_size")
 LAYOUT_TEXTS = ("dtype", "block_format")
 MODEL_KEYS = ("fingerprint", "name", "vllm_version")
 TOP_KEYS = ("version", "transfer_id", "peer", "capabilities", "layout", "model")
@@ -67,7 +67,7 @@ bad_capabilities = st.one_of(st.text("0123456789abcdef", max_size=31),
 
 
 def valid_params(transfer_id: str, peer: str, capability: str) -> dict[str, Any]:
-    return RemotePrefill(transfer_id, peer, (capability,), LAYOUT, MODEL).to_params()
+    return RemotePrefill(transfer_id, peer, (capability,), LAYOUT.page, MODEL).to_params()
 
 
 @st.composite

@@ -25,8 +25,8 @@ NOISE = st.text(alphabet="ab]['\"\\{}(),: ", max_size=12)
 
 def params(capabilities: Any, transfer_id: str = "prefill-0/cmpl-1") -> dict[str, Any]:
     return {"do_remote_prefill": True,
-            "kvxfer": {"version": 2, "transfer_id": transfer_id, "peer": "127.0.0.1:5701",
-                       "capabilities": capabilities, "layout": {"block_size": 32}}}
+            "kvxfer": {"version": 3, "transfer_id": transfer_id, "peer": "127.0.0.1:5701",
+                       "capabilities": capabilities, "layout": {"page_size": 32}}}
 
 
 def sampling_params_line(kv: dict[str, Any]) -> str:

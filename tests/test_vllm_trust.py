@@ -118,7 +118,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
     if not lost:
         monkeypatch.setattr(PageLoads, "_lost", lambda self, epoch: [])
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 2, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+              "kvxfer": {"version": 3, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("orphan", 64, params)
@@ -152,7 +152,7 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
     monkeypatch.setattr(CompletionFeed, "wait",
                         lambda self, timeout_s: waits.append(timeout_s) or wait(self, timeout_s))
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 2, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+              "kvxfer": {"version": 3, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("waiting", 64, params)
@@ -225,7 +225,7 @@ def test_a_failed_entry_point_fails_only_its_own_requests(engines) -> None:
     (``fail_load``), a plan that could not be built fails its loads (``failed_plan``), and
     the worker reports both failed, so vLLM recomputes them instead of waiting forever."""
     sched, worker = engines.sched_d, engines.work_d
-    params = RemotePrefill("P/x", engines.pre.peer_address, ("0" * 32,), LAYOUT, MODEL).to_params()
+    params = RemotePrefill("P/x", engines.pre.peer_address, ("0" * 32,), LAYOUT.page, MODEL).to_params()
     first, second = Request("first", 64, dict(params)), Request("second", 64, dict(params))
     for request in (first, second):
         assert sched.get_num_new_matched_tokens(request, 0) == (64, True)

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.layout import HEAD_MAJOR, BlockLayout
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.client.integrations.vllm.model_identity import (
     ModelIdentity,
@@ -84,9 +84,10 @@ class KvxferMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
-    """How K and V sit inside this engine's blocks: vLLM's KV cache layout (e.g. ``LBHNC``,
-    head-major blocks) and, on CPU, the attention kernel's in-block format (``vec``,
-    ``vec16``, ``amx``, ``neon``: how K rows are packed)."""
+    """How K and V sit inside this engine's blocks: ``HEAD_MAJOR`` for vLLM's CPU attention
+    with the ``vec`` or ``vec16`` kernel and an unquantized cache (the pool kind of that
+    name describes it); otherwise vLLM's KV cache layout (e.g. ``LBHNC``, ``NHD``) and, on
+    CPU, the kernel that decides how K rows are packed (``amx``, ``neon``, ...)."""
     resolved = (getattr(kv_cache_config, "kv_cache_layout", None)
                 or vllm_config.cache_config.kv_cache_layout or "unresolved")
     layout = str(getattr(resolved, "name", resolved))
@@ -95,11 +96,16 @@ def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    return f"{layout}/cpu-{_get_attn_isa(model.dtype, cache.block_size, model.get_head_size())}"
+    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size())
+    if layout == "LBHNC" and isa in ("vec", "vec16") and cache.cache_dtype == "auto":
+        return HEAD_MAJOR
+    return f"{layout}/cpu-{isa}"
 
 
-def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> BlockLayout:
-    """This engine's block layout, from its config (see ``layout.BlockLayout``)."""
+def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                 page_size: int | None = None) -> BlockLayout:
+    """This engine's block layout, from its config, in pages of ``page_size`` tokens (None:
+    a block; see ``layout.BlockLayout``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -108,7 +114,7 @@ def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
         dtype=str(dtype).removeprefix("torch."), block_size=int(cache.block_size),
         num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(), tp_size=parallel.tensor_parallel_size,
-        block_format=block_format(vllm_config, kv_cache_config))
+        block_format=block_format(vllm_config, kv_cache_config), page_size=page_size or 0)
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
@@ -147,7 +153,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         settings = load_settings(dict(transfer.kv_connector_extra_config))
-        layout = block_layout(vllm_config, kv_cache_config)
+        layout = block_layout(vllm_config, kv_cache_config, settings.page_size)
         engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +27,8 @@ from typing import Any
 import httpx
 
 from kvxfer.client.integrations.vllm.layout import model_dtype, model_pool_flag
+from kvxfer.client.integrations.vllm.processes import http_client, stop_process, wait_healthy
+from kvxfer.client.integrations.vllm.router import VllmRouter
 from kvxfer.client.spawn import LocalDaemon, dev_certs
 from kvxfer.ucx_settings import LOOPBACK_ENV
 
@@ -75,53 +75,13 @@ def cpu_binding(tp: int) -> str:
     return "|".join(",".join(map(str, group)) for group in groups)
 
 
-def http_client(address: str, timeout_s: float) -> httpx.Client:
-    """An HTTP client of the server at ``http://host:port`` or ``unix:/path``."""
-    if address.startswith("unix:"):
-        transport = httpx.HTTPTransport(uds=address.removeprefix("unix:"))
-        return httpx.Client(transport=transport, base_url="http://server", timeout=timeout_s)
-    return httpx.Client(base_url=address, timeout=timeout_s)
-
-
-def stop_process(process: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    """SIGTERM ``process`` if it runs, SIGKILL it after ``timeout_s``, and reap it."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout_s)
-
-
-def wait_healthy(address: str, process: subprocess.Popen[bytes], what: str, log: Path,
-                 timeout_s: float) -> None:
-    """Wait until ``address`` answers ``/health``; raise with the log's tail if ``process``
-    exits first or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    with http_client(address, timeout_s=2) as http:
-        while True:
-            if process.poll() is not None:
-                tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-                raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail}")
-            try:
-                if http.get("/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-4000:] if log.exists() else ""
-                raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s:\n{tail}")
-            time.sleep(0.3)
-
-
 class VllmServer:
     """One ``vllm serve`` subprocess; a context manager that always stops it (and its children)."""
 
     def __init__(self, name: str, model: str, workdir: Path, *, port: int | None = None,
                  kv_transfer: dict[str, Any] | None = None, max_model_len: int = 1024,
                  tp: int = 1, env: dict[str, str] | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, block_size: int = BLOCK_SIZE) -> None:
         self.name = name
         self.log_path = workdir / f"{name}.log"
         socket = workdir / f"{name}.http.sock"
@@ -129,7 +89,7 @@ class VllmServer:
         where = ["--host", "127.0.0.1", "--port", str(port)] if port else ["--uds", str(socket)]
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            *where, "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--dtype", model_dtype(model),
+            *where, "--block-size", str(block_size), "--enforce-eager", "--dtype", model_dtype(model),
             "--max-model-len", str(max_model_len), "--seed", "0", "--tensor-parallel-size", str(tp),
             *(["--kv-transfer-config", json.dumps(kv_transfer)] if kv_transfer else []),
             *(extra_args or []),
@@ -214,77 +174,6 @@ def connector_config(role: str, daemon: str, **extra: Any) -> dict[str, Any]:
             "kv_connector_extra_config": {"daemon": daemon, "pool": "kv", **extra}}
 
 
-#: How vllm-router treats kvxfer's engines (``VllmRouter.pd``, and deploy/k8s/base/router):
-#: a load that fails recomputes inside the decode engine and answers normally, so a
-#: retry is only for an engine that did not answer at all (a pod restarting), at most
-#: once, after a short backoff; an engine that fails 5 requests in a row is left alone
-#: for 30 s (the circuit breaker), and one that fails 3 health checks 10 s apart is taken
-#: out until it passes 2.
-ROUTER_POLICY = [
-    "--policy", "round_robin",
-    "--retry-max-retries", "2", "--retry-initial-backoff-ms", "200",
-    "--retry-max-backoff-ms", "2000",
-    "--cb-failure-threshold", "5", "--cb-success-threshold", "2",
-    "--cb-timeout-duration-secs", "30", "--cb-window-duration-secs", "60",
-    "--health-check-endpoint", "/health", "--health-check-interval-secs", "10",
-    "--health-check-timeout-secs", "5", "--health-failure-threshold", "3",
-    "--health-success-threshold", "2",
-]
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (vllm-router reaches engines over TCP)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-class VllmRouter:
-    """``vllm-router`` (from the vLLM environment) on a loopback port, in front of engines
-    that listen on TCP ports: ``pd`` routes each request to a prefill and then a decode
-    engine, passing ``kv_transfer_params`` along as it does for NixlConnector (kvxfer
-    follows that convention); ``single`` round-robins plain engines."""
-
-    def __init__(self, args: list[str], log: Path, port: int | None = None) -> None:
-        self.address = f"http://127.0.0.1:{port or free_port()}"
-        self._args = [str(Path(sys.executable).parent / "vllm-router"), *args, "--host",
-                      "127.0.0.1", "--port", self.address.rsplit(":", 1)[1],
-                      "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-        self._log = log
-        self._process: subprocess.Popen[bytes] | None = None
-
-    @classmethod
-    def pd(cls, prefill: str, decode: str, log: Path, port: int | None = None) -> VllmRouter:
-        """A router that disaggregates: ``prefill`` and ``decode`` are the engines' addresses;
-        it listens on ``port`` (None: a free one)."""
-        return cls(["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                    "--kv-connector", "nixl", *ROUTER_POLICY], log, port)
-
-    @classmethod
-    def single(cls, engine: str, log: Path) -> VllmRouter:
-        """A router in front of one plain engine (the same hop as a disaggregated one)."""
-        return cls(["--worker-urls", engine, "--policy", "round_robin"], log)
-
-    def __enter__(self) -> VllmRouter:
-        with open(self._log, "wb") as log:
-            self._process = subprocess.Popen(self._args, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(self.address, self._process, "vllm-router", self._log, 60.0)
-        except BaseException:
-            stop_process(self._process)
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        if self._process is not None:
-            stop_process(self._process)
-
-    def client(self, timeout_s: float = 300.0) -> httpx.Client:
-        """An HTTP client of the router."""
-        return http_client(self.address, timeout_s)
-
-
 class Disaggregation:
     """Two daemons (talking over mutual TLS), a prefill and a decode engine with the
     connector, and in front of them vllm-router (``router``) or the development proxy;
@@ -298,7 +187,8 @@ class Disaggregation:
     and ``engine_env`` more environment variables for both engines; ``failure_policy`` is
     the decode engine's ``kv_load_failure_policy``; ``max_model_len`` is both engines';
     ``ports`` are the front's, the prefill's and the decode engine's (None: unix sockets
-    in ``workdir``; vllm-router needs ports).
+    in ``workdir``; vllm-router needs ports); ``more_engines`` names the engines
+    ``add_engine`` may add (their daemons' certificates are issued at start).
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
@@ -307,12 +197,14 @@ class Disaggregation:
                  daemon_args: list[str] | None = None, engine_args: list[str] | None = None,
                  engine_env: dict[str, str] | None = None,
                  failure_policy: str = "recompute", max_model_len: int = 1024,
-                 ports: tuple[int, int, int] | None = None, router: bool = False) -> None:
+                 ports: tuple[int, int, int] | None = None, router: bool = False,
+                 more_engines: tuple[str, ...] = ()) -> None:
         if router and ports is None:
             raise ValueError("vllm-router reaches engines over TCP: give ports")
         self.model = model
         self.workdir = workdir
         self.tp = tp
+        self.num_pages = num_pages
         self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
         self.verify = verify
         self.daemon_launcher = daemon_launcher
@@ -324,6 +216,8 @@ class Disaggregation:
         self.max_model_len = max_model_len
         self.ports = ports
         self.router = router
+        self.more_engines = more_engines
+        self._tls: Path | None = None
         self._stack = ExitStack()
         self.front_address = ""
         self.prefill_daemon: LocalDaemon | None = None
@@ -344,7 +238,9 @@ class Disaggregation:
     def _start(self) -> None:
         workdir = self.workdir
         front_port, prefill_port, decode_port = self.ports or (None, None, None)
-        tls = self._stack.enter_context(dev_certs("prefill-daemon", "decode-daemon"))
+        tls = self._stack.enter_context(dev_certs(
+            "prefill-daemon", "decode-daemon", *(f"{name}-daemon" for name in self.more_engines)))
+        self._tls = tls
         self.prefill_daemon = self._stack.enter_context(
             LocalDaemon("prefill-daemon", [self.pool], workdir=str(workdir / "pd"), metrics=True,
                         launcher=self.daemon_launcher, tls=tls, extra_args=self.daemon_args))
@@ -385,6 +281,30 @@ class Disaggregation:
                 stdout=log, stderr=subprocess.STDOUT)
         self._stack.callback(self._stop_proxy)
         wait_healthy(self.front_address, self._proxy, "the proxy", workdir / "proxy.log", 60.0)
+
+    def add_engine(self, name: str, *, block_size: int, page_size: int,
+                   role: str = "kv_both") -> tuple[LocalDaemon, VllmServer]:
+        """Start one more engine (one of ``more_engines``) beside the pair, with a daemon of
+        its own that talks to theirs: blocks of ``block_size`` tokens through pages of
+        ``page_size`` (the pair's daemons must use that page size too). Both are stopped
+        with the rest. Not put behind the front: requests go to it directly."""
+        if name not in self.more_engines or self._tls is None:
+            raise ValueError(f"engine {name!r} is not one of more_engines {self.more_engines} "
+                             "of a started deployment")
+        pool = model_pool_flag(self.model, "kv", block_size, self.num_pages, tp=self.tp,
+                               page_size=page_size)
+        daemon = self._stack.enter_context(LocalDaemon(
+            f"{name}-daemon", [pool], workdir=str(self.workdir / name), metrics=True,
+            tls=self._tls, extra_args=self.daemon_args))
+        engine = VllmServer(name, self.model, self.workdir, tp=self.tp, block_size=block_size,
+                            max_model_len=self.max_model_len, extra_args=self.engine_args,
+                            env=self.engine_env,
+                            kv_transfer=connector_config(
+                                role, daemon.worker_address, page_size=page_size,
+                                stats_file=str(self.workdir / f"{name}-stats.jsonl")))
+        self._stack.callback(engine.stop)
+        engine.spawn().wait_ready()
+        return daemon, engine
 
     def client(self, timeout_s: float = 300.0) -> httpx.Client:
         """An HTTP client of the front (the router or the proxy)."""

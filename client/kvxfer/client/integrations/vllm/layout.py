@@ -1,17 +1,26 @@
-"""What a prefill and a decode engine's bytes must agree on before any byte moves: their block layout.
+"""What a prefill and a decode engine's bytes must agree on before any byte moves: their page layout.
 
-kvxfer moves a vLLM block as opaque bytes: one block, all layers, is one
-page-major kvxfer page (layer ``l`` of the page holds layer ``l``'s block, as
-the engine's attention code lays it out). So the two engines must lay blocks
-out identically: dtype, block size, layer count, KV heads, head size,
-tensor-parallel size and the in-block format (``block_format``: how K and V sit
-inside a block, which on CPU the attention kernel's instruction set decides, and
-on GPU the KV cache layout, NHD or HND). ``BlockLayout`` is that description; it
-travels in ``kv_transfer_params`` and the decode side refuses a mismatch, naming
-every field that differs. Which model computed the bytes is the other half of
-compatibility (``model_identity``). The daemon's pool must hold exactly such
-pages (``check_pool``), and the engine's KV caches exactly such blocks
-(``engine_blocks``); ``pool_flag`` writes the ``--pool`` flag of a daemon that does.
+kvxfer moves KV as daemon pages: one page holds ``page_size`` token slots of every
+layer, each layer in its own span of the page, laid out as the engine's attention code
+lays out a block. What a page holds is ``PageLayout``: dtype, tokens per page, layer
+count, KV heads, head size, tensor-parallel size and the in-block format
+(``block_format``: how K and V sit inside a block, which on CPU the attention kernel's
+instruction set decides, and on GPU the KV cache layout, NHD or HND). It travels in
+``kv_transfer_params`` and the decode side refuses a mismatch, naming every field that
+differs. Which model computed the bytes is the other half of compatibility
+(``model_identity``).
+
+An engine's block is ``block_size`` slots (``BlockLayout``): one page, or several where
+the format says where each slot sits. vLLM's CPU attention with its ``vec`` and ``vec16``
+kernels (every x86 CPU without AMX, and any block size not a multiple of 32) keeps a
+block head by head, K transposed (measured: both kernels write the same bytes, at block
+sizes 16, 32, 64 and 128): the pool kind ``mha_head_major`` describes it, and a block of
+``n`` pages holds their slots in order, so engines of different block sizes exchange KV
+through pages of a size that divides both (``engine_core.block_tiling``). Other formats
+(``amx``, ``neon``, GPU layouts) are moved as opaque bytes, a page per block, and need
+equal block sizes. The daemon's pool must hold exactly such pages (``check_pool``), and the
+engine's KV caches exactly such blocks (``engine_blocks``); ``pool_flag`` writes the
+``--pool`` flag of a daemon that does.
 """
 
 from __future__ import annotations
@@ -27,12 +36,46 @@ import torch
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.dtypes import itemsize
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
-from kvxfer.layout import MhaSpec
+from kvxfer.layout.kinds import spec_from_mapping
+from kvxfer.layout.specs import PoolSpec
+
+#: The in-block format, and pool kind, of vLLM's CPU attention with the ``vec`` and
+#: ``vec16`` kernels: per KV head, K transposed then V.
+HEAD_MAJOR = "mha_head_major"
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """What one page of an engine's KV holds (every field must match across the pair)."""
+
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    block_format: str
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer of a page: K and V of every slot and KV head."""
+        return 2 * self.num_kv_heads * self.page_size * self.head_size * itemsize(self.dtype)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fingerprint as JSON-ready values (what ``kv_transfer_params`` carries)."""
+        return asdict(self)
+
+    def differences(self, other: PageLayout) -> list[str]:
+        """Each field that differs, as "name: ours X, theirs Y"."""
+        return [f"{f.name}: ours {getattr(self, f.name)!r}, theirs {getattr(other, f.name)!r}"
+                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
 
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """How one engine lays out a KV block (every field must match across the pair)."""
+    """How one engine lays out a KV block: ``block_size`` slots, made of pages of
+    ``page_size`` (0: one page per block); InvalidSpecError unless pages tile blocks in a
+    format that says where each slot sits (``HEAD_MAJOR``), or are the blocks."""
 
     dtype: str
     block_size: int
@@ -41,43 +84,78 @@ class BlockLayout:
     head_size: int
     tp_size: int
     block_format: str
+    page_size: int = 0
+
+    def __post_init__(self) -> None:
+        if self.page_size == 0:
+            object.__setattr__(self, "page_size", self.block_size)
+        if self.page_size < 1 or self.block_size % self.page_size:
+            raise InvalidSpecError(f"page_size={self.page_size} must divide the engine's "
+                                   f"block_size={self.block_size}")
+        if self.page_size != self.block_size and self.block_format != HEAD_MAJOR:
+            raise InvalidSpecError(
+                f"page_size={self.page_size} is shorter than the engine's block_size="
+                f"{self.block_size}, but its in-block format {self.block_format!r} does not say "
+                f"where each slot sits (only {HEAD_MAJOR!r} does): leave page_size unset")
+
+    @property
+    def page(self) -> PageLayout:
+        """What one of this engine's pages holds (what the other engine must match)."""
+        return PageLayout(self.dtype, self.page_size, self.num_layers, self.num_kv_heads,
+                          self.head_size, self.tp_size, self.block_format)
+
+    @property
+    def pages_per_block(self) -> int:
+        """Pages in one block."""
+        return self.block_size // self.page_size
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one layer's block: K and V of every slot and KV head."""
-        return 2 * self.num_kv_heads * self.block_size * self.head_size * itemsize(self.dtype)
+        return self.pages_per_block * self.page.layer_bytes
 
     def as_dict(self) -> dict[str, Any]:
-        """The fingerprint as JSON-ready values (what ``kv_transfer_params`` carries)."""
-        return asdict(self)
+        """Its page's fingerprint (what ``kv_transfer_params`` carry and digests bind): an
+        engine's block size is its own."""
+        return self.page.as_dict()
 
-    def differences(self, other: BlockLayout) -> list[str]:
-        """Each field that differs, as "name: ours X, theirs Y"."""
-        return [f"{f.name}: ours {getattr(self, f.name)!r}, theirs {getattr(other, f.name)!r}"
-                for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+    def differences(self, other: PageLayout) -> list[str]:
+        """Each field of the page layouts that differs, as "name: ours X, theirs Y"."""
+        return self.page.differences(other)
+
+
+def pool_spec(layout: BlockLayout, num_pages: int) -> PoolSpec:
+    """The spec of a pool of ``num_pages`` pages of this engine's layout: head-major MHA
+    for ``HEAD_MAJOR`` blocks; for another format, MHA pages of a block's bytes (the bytes
+    are moved whole; their views do not describe them)."""
+    fields_ = dict(layer_num=layout.num_layers, head_num=layout.num_kv_heads,
+                   head_dim=layout.head_size, dtype=layout.dtype, page_size=layout.page_size,
+                   num_pages=num_pages)
+    if layout.block_format == HEAD_MAJOR:
+        return spec_from_mapping({"kind": HEAD_MAJOR, **fields_})
+    return spec_from_mapping({"kind": "mha", "v_head_dim": layout.head_size, **fields_})
 
 
 def check_pool(layout: BlockLayout, pool: PoolDescriptor) -> None:
-    """Raise IncompatibleLayoutError unless ``pool``'s pages are this engine's blocks."""
-    spec = pool.spec
-    wanted = {
-        "page_size": (spec.page_size, layout.block_size),
-        "layer_num": (getattr(spec, "layer_num", None), layout.num_layers),
-        "page_bytes": (pool.page_bytes, layout.num_layers * layout.block_bytes),
-    }
-    wrong = [f"{name} is {have}, the engine needs {need}"
-             for name, (have, need) in wanted.items() if have != need]
+    """Raise IncompatibleLayoutError unless ``pool``'s pages are this engine's pages."""
+    want = pool_spec(layout, pool.num_pages)
+    have = pool.spec
+    if type(have) is not type(want):
+        wrong = [f"kind is {have.kind.value}, the engine needs {want.kind.value}"]
+    else:
+        wrong = [f"{f.name} is {getattr(have, f.name)!r}, the engine needs {getattr(want, f.name)!r}"
+                 for f in fields(want) if getattr(have, f.name) != getattr(want, f.name)]
     if wrong:
         raise IncompatibleLayoutError(
-            f"pool {pool.name!r} does not hold this engine's KV blocks: {'; '.join(wrong)}. "
+            f"pool {pool.name!r} does not hold this engine's KV pages: {'; '.join(wrong)}. "
             f"Serve it with --pool {pool_flag(layout, pool.name, pool.num_pages)}")
 
 
 def pool_flag(layout: BlockLayout, name: str, num_pages: int) -> str:
-    """The ``kvxfer serve --pool`` value of a pool whose pages are this engine's blocks."""
-    return (f"name={name},kind=mha,layer_num={layout.num_layers},head_num={layout.num_kv_heads},"
-            f"head_dim={layout.head_size},v_head_dim={layout.head_size},dtype={layout.dtype},"
-            f"page_size={layout.block_size},num_pages={num_pages}")
+    """The ``kvxfer serve --pool`` value of a pool whose pages are this engine's pages."""
+    spec = pool_spec(layout, num_pages)
+    values = ",".join(f"{f.name}={getattr(spec, f.name)}" for f in fields(spec))
+    return f"name={name},kind={spec.kind.value},{values}"
 
 
 def model_dtype(model_dir: str) -> str:
@@ -91,9 +169,11 @@ def model_dtype(model_dir: str) -> str:
 
 
 def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
-                    tp: int = 1) -> str:
+                    tp: int = 1, page_size: int = 0, block_format: str = HEAD_MAJOR) -> str:
     """The ``--pool`` value for a Hugging Face model directory (its config.json), without
-    vLLM; with tensor parallelism a page is one rank's block (its share of the KV heads)."""
+    vLLM, for engines of blocks of ``block_format`` (vLLM's CPU attention without AMX by
+    default) in pages of ``page_size`` (0: a block); with tensor parallelism a page is one
+    rank's share of the KV heads."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
@@ -102,9 +182,7 @@ def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = model_dtype(model_dir)
     layout = BlockLayout(dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
-                         head_dim, tp, "")
-    MhaSpec(layout.num_layers, layout.num_kv_heads, head_dim, head_dim, dtype, block_size,
-            num_pages)  # validates
+                         head_dim, tp, block_format, page_size)
     return pool_flag(layout, name, num_pages)
 
 

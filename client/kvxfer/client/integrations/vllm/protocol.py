@@ -1,11 +1,11 @@
 """What the connector's halves tell each other, and what a prefill engine tells a decode engine.
 
 Between engines, through the proxy or router, ``kv_transfer_params`` follows vLLM's
-NixlConnector convention, in kvxfer's params **v2** (``docs/trust.md``): the router
+NixlConnector convention, in kvxfer's params **v3** (``docs/trust.md``): the router
 sends ``{"do_remote_decode": true}`` to the prefill engine (optionally
 ``"verify": true``); the prefill response carries ``{"do_remote_prefill": true,
-"do_remote_decode": false, "kvxfer": {"version": 2, ...}}`` (``KvxferParamsV2``:
-which daemon, which transfer, the block layout of the bytes, the model's identity),
+"do_remote_decode": false, "kvxfer": {"version": 3, ...}}`` (``KvxferParamsV3``:
+which daemon, which transfer, the page layout of the bytes, the model's identity),
 which the router passes unchanged to the decode engine. Compatibility is decided by
 bytes and model: the layouts must agree field by field and the model fingerprints
 must be equal; the model's name and the vLLM version travel only to be logged.
@@ -27,13 +27,14 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxfer.client.integrations.vllm.layout import BlockLayout
+from kvxfer.client.integrations.vllm.layout import BlockLayout, PageLayout
 from kvxfer.client.integrations.vllm.model_identity import FINGERPRINT_CHARS, ModelIdentity
 from kvxfer.status import OfferHold
 
 #: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads (v1
-#: compared model paths and vLLM versions; v2 compares the bytes and the model's fingerprint).
-PARAMS_VERSION: Final = 2
+#: compared model paths and vLLM versions; v2 compared the bytes and the model's
+#: fingerprint, block by block; v3 compares pages, so engines of other block sizes load).
+PARAMS_VERSION: Final = 3
 #: A transfer id: printable ASCII without spaces (what the daemon's limits accept).
 TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
 #: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
@@ -42,7 +43,7 @@ PEER_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
 CAPABILITY_PATTERN = r"^[0-9a-f]{32}$"
 
 #: Why a request's params were not followed (the keys of ``SchedulerSide.refusals``):
-#: ``layout``, another block layout of the bytes; ``model``, another model (fingerprint);
+#: ``layout``, another page layout of the bytes; ``model``, another model (fingerprint);
 #: ``unsupported``, a request whose KV the connector cannot bind to its prompt.
 RefusalReason = Literal["malformed", "version", "layout", "model", "unsupported"]
 
@@ -51,11 +52,11 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class LayoutV2(_Strict):
-    """``BlockLayout`` as params carry it: every field, exact types."""
+class LayoutV3(_Strict):
+    """``PageLayout`` as params carry it: every field, exact types."""
 
     dtype: str = Field(max_length=64)
-    block_size: int = Field(gt=0, le=1 << 20)
+    page_size: int = Field(gt=0, le=1 << 20)
     num_layers: int = Field(gt=0, le=1 << 16)
     num_kv_heads: int = Field(gt=0, le=1 << 16)
     head_size: int = Field(gt=0, le=1 << 16)
@@ -63,7 +64,7 @@ class LayoutV2(_Strict):
     block_format: str = Field(max_length=256)
 
 
-class ModelV2(_Strict):
+class ModelV3(_Strict):
     """``ModelIdentity`` as params carry it."""
 
     fingerprint: str = Field(pattern=rf"^[0-9a-f]{{{FINGERPRINT_CHARS}}}$")
@@ -71,16 +72,16 @@ class ModelV2(_Strict):
     vllm_version: str = Field(max_length=256)
 
 
-class KvxferParamsV2(_Strict):
-    """``kv_transfer_params["kvxfer"]``, version 2."""
+class KvxferParamsV3(_Strict):
+    """``kv_transfer_params["kvxfer"]``, version 3."""
 
-    version: Literal[2]
+    version: Literal[3]
     transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     peer: str = Field(pattern=PEER_PATTERN)
     capabilities: list[Annotated[str, Field(pattern=CAPABILITY_PATTERN)]] = Field(
         min_length=1, max_length=1 << 16, repr=False)
-    layout: LayoutV2
-    model: ModelV2
+    layout: LayoutV3
+    model: ModelV3
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class RemotePrefill:
     transfer_id: str
     peer: str
     capabilities: tuple[str, ...] = field(repr=False)
-    layout: BlockLayout
+    layout: PageLayout
     model: ModelIdentity
 
     def holds(self) -> list[OfferHold]:
@@ -101,10 +102,10 @@ class RemotePrefill:
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""
-        ours = KvxferParamsV2(version=PARAMS_VERSION, transfer_id=self.transfer_id,
+        ours = KvxferParamsV3(version=PARAMS_VERSION, transfer_id=self.transfer_id,
                               peer=self.peer, capabilities=list(self.capabilities),
-                              layout=LayoutV2(**self.layout.as_dict()),
-                              model=ModelV2(**dataclasses.asdict(self.model)))
+                              layout=LayoutV3(**self.layout.as_dict()),
+                              model=ModelV3(**dataclasses.asdict(self.model)))
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "kvxfer": ours.model_dump()}
 
@@ -121,7 +122,7 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
                          our_model: ModelIdentity) -> RemotePrefill | Refusal | None:
     """What a decode request's ``kv_transfer_params`` ask for: None when no remote prefill
     (``do_remote_prefill`` absent or false), a ``RemotePrefill`` to load, or a ``Refusal``
-    (malformed, another version, another block layout than ``ours``, another model than
+    (malformed, another version, another page layout than ``ours``'s, another model than
     ``our_model``). Never raises."""
     asked = params.get("do_remote_prefill") if isinstance(params, dict) else None
     if asked is None or asked is False:
@@ -140,15 +141,15 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
         return Refusal("version", f"params version {_short(version)}; this connector reads "
                                   f"version {PARAMS_VERSION}")
     try:
-        parsed = KvxferParamsV2.model_validate(raw)
+        parsed = KvxferParamsV3.model_validate(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "kvxfer"
         return Refusal("malformed", f"kvxfer.{where}: {error['msg']}")
-    theirs = BlockLayout(**parsed.layout.model_dump())
+    theirs = PageLayout(**parsed.layout.model_dump())
     differences = ours.differences(theirs)
     if differences:
-        return Refusal("layout", "the prefill engine's block layout differs from ours: "
+        return Refusal("layout", "the prefill engine's page layout differs from ours: "
                                  + "; ".join(differences))
     theirs_model = ModelIdentity(**parsed.model.model_dump())
     if theirs_model.fingerprint != our_model.fingerprint:
@@ -187,7 +188,8 @@ def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
 @dataclass(frozen=True)
 class Save:
     """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
-    into the pages leased for it (block ``i`` into ``pages[rank][i]``), then offers them as
+    into the pages leased for it (page ``k`` of ``pages[rank]`` holds part ``k % n`` of block
+    ``k // n``, ``n`` the pages per block), then offers them as
     its rank's transfer of ``transfer_id``, recording ``prompt_digest`` with it.
     ``arena_epoch`` is the daemon memory epoch the leases were granted in: a worker whose
     mapping is older re-attaches before writing. ``capabilities`` (per rank, the leases')
@@ -210,7 +212,8 @@ class Load:
     """Decode: each rank pulls the pages of its transfer of ``transfer_id`` (``num_pages``
     pages) from ``first_page`` on (earlier pages are a local prefix-cache hit: they do not
     cross the wire) from ``peer``, with its rank's capability and the request's
-    ``prompt_digest``, then copies the ``i``-th page pulled into ``block_ids[i]``. A load
+    ``prompt_digest``, then copies the ``k``-th page pulled into part ``k % n`` of
+    ``block_ids[k // n]`` (``n`` the pages per block; ``first_page`` is a multiple). A load
     with ``refused`` set fails at once, moving nothing. ``planned_unix``: when the scheduler
     planned it (where its timeline in the stats starts)."""
 

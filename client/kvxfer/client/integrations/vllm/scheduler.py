@@ -2,7 +2,8 @@
 
 Prefill (a request whose ``kv_transfer_params`` say ``do_remote_decode``): in
 the step in which its prompt finishes, the scheduler leases pages for all its
-prompt blocks from the local daemon, one lease per tensor-parallel rank (each
+prompt tokens from the local daemon (pages of ``page_size`` tokens: a block is one page
+or several), one lease per tensor-parallel rank (each
 rank holds a shard of the KV heads), and tells the workers to save the blocks
 there (``Save``). The lease is taken here, not in the worker, because
 ``request_finished`` (the same step) must already know whether the KV will be
@@ -187,11 +188,13 @@ class SchedulerSide:
             return
         if self._keeper is not None:
             self._keeper.stop(request.request_id)  # its pull takes the offers now
-        block_size = self._layout.block_size
-        num_pages = math.ceil(int(request.num_prompt_tokens) / block_size)
-        first = local // block_size
+        layout = self._layout  # the local hit is whole blocks, so whole pages too
+        num_pages = math.ceil(int(request.num_prompt_tokens) / layout.page_size)
+        num_blocks = math.ceil(int(request.num_prompt_tokens) / layout.block_size)
+        first_block = local // layout.block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
-                                    num_pages, first, tuple(block_ids[first:num_pages]),
+                                    num_pages, first_block * layout.pages_per_block,
+                                    tuple(block_ids[first_block:num_blocks]),
                                     capabilities=remote.capabilities, prompt_digest=digest,
                                     planned_unix=time.time()))
         self._loading.add(request.request_id)
@@ -236,13 +239,14 @@ class SchedulerSide:
             log.warning("request %s keeps its KV to itself: a prompt given as embeddings cannot "
                         "be bound to its KV; the decode engine will compute it", request.request_id)
             return None
+        num_pages = math.ceil(request.num_prompt_tokens / self._layout.page_size)
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
         transfer_id = f"{self._engine_id}/{request.request_id}"
         leases: list[LeaseInfo] = []
         try:
             for rank in range(self._layout.tp_size):
                 leases.append(self._client.allocate(
-                    self._settings.pool, num_blocks, self._settings.lease_s,
+                    self._settings.pool, num_pages, self._settings.lease_s,
                     holder=f"vllm {self._engine_id} tp{rank}"))
         except KvxferError as exc:
             log.warning("request %s keeps its KV to itself: no daemon pages for it (%s: %s); "
@@ -275,4 +279,4 @@ class SchedulerSide:
         if save is None or request.status.name not in FINISHED_NORMALLY:
             return None
         return RemotePrefill(save.transfer_id, self._peer, save.capabilities,
-                             self._layout, self._model).to_params()
+                             self._layout.page, self._model).to_params()

@@ -26,6 +26,11 @@ class ConnectorSettings(BaseModel):
     daemon: str = Field("unix:///run/kvxfer/kvxfer.sock",
                         description="the local kvxfer daemon's worker address")
     pool: str = Field("kv", description="the daemon pool this engine's KV blocks go through")
+    page_size: int | None = Field(
+        None, gt=0, description="tokens per page of the pool (default: the engine's block "
+                                "size); engines of different block sizes exchange KV when "
+                                "both use the same page_size, one that divides both block "
+                                "sizes (only with the in-block format mha_head_major)")
     timeout_s: float = Field(30.0, gt=0, description="deadline of one request's transfer")
     lease_s: float = Field(60.0, gt=0, description="how long the daemon holds a request's "
                                                    "pages if nobody releases them")

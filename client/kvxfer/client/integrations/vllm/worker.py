@@ -4,7 +4,9 @@ vLLM keeps one KV tensor per layer, ``[num_blocks, ...]`` with each block's
 bytes contiguous; the daemon's pool holds pages of ``num_layers`` such blocks
 (``BlockLayout``), each layer in its own span of the page (``engine_core.page_segments``).
 So layer ``l`` of block ``b`` is one contiguous copy to or from a page
-(``engine_core.paged_blocks``), whatever the engine's attention code keeps inside.
+(``engine_core.paged_blocks``), whatever the engine's attention code keeps inside. Blocks
+of several pages (``page_size`` below the block size) are copied through the pool's views
+instead (``engine_core.block_tiling``).
 
 Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
 into its leased pages as the forward computes them (copy-out); ``wait_for_save``
@@ -103,7 +105,8 @@ class WorkerSide:
         reach = Reconnecting(self._client)  # a restarting daemon is waited for, once
         self._endings = Endings(self._client)
         self._blocks = PagedBlocks(self._client, reach, settings.pool,
-                                   check=lambda pool: check_pool(layout, pool))
+                                   check=lambda pool: check_pool(layout, pool),
+                                   block_size=layout.block_size)
         self._loads: PageLoads[Loading] = PageLoads(self._client, self._endings, reach,
                                                     timeout_s=settings.timeout_s)
         self._layers: dict[str, int] = {}
@@ -204,9 +207,9 @@ class WorkerSide:
             self._copy_out.pop(save.transfer_id, None)
 
     def _offer(self, save: Save) -> None:
-        nbytes = len(save.block_ids) * self._layout.num_layers * self._layout.block_bytes
         transfer_id = rank_transfer(save.transfer_id, self._rank, self._layout.tp_size)
         pages, lease_id = save.pages[self._rank], save.lease_ids[self._rank]
+        nbytes = len(pages) * self._layout.num_layers * self._layout.page.layer_bytes
         start = time.perf_counter()
         try:
             self._client.offer(transfer_id, self._settings.pool, PageRuns.from_pages(pages),
@@ -311,7 +314,7 @@ class WorkerSide:
         timeline.mark("ended")
         start = time.perf_counter()
         try:
-            pages = list(end.pull.lease.runs.pages())[:len(load.block_ids)]
+            pages = list(end.pull.lease.runs.pages())[:load.pulled_pages]
             self._blocks.copy_in(self._kv, pages, load.block_ids)
         except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
             self._fail(load, f"copying it in failed: {type(exc).__name__}: {exc}", "COPY_FAILED")
