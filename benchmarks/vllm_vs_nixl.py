@@ -45,12 +45,9 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvxfer.client.integrations.vllm.deploy import (
-    Disaggregation,
-    VllmRouter,
-    VllmServer,
-    free_port,
-)
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.processes import free_port
+from kvxfer.client.integrations.vllm.router import VllmRouter
 from kvxfer.client.integrations.vllm.tiny_model import build
 
 HERE = Path(__file__).resolve().parent

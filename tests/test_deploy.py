@@ -138,7 +138,7 @@ def test_vllm_router_is_in_front_with_kvxfers_policy(rendered) -> None:
     NixlConnector) over the engines' stable names, with the retry, circuit-breaker and
     health-check flags the tests run it with (``ROUTER_POLICY``); its service selects it,
     and the engines' HTTP port admits the router only."""
-    from kvxfer.client.integrations.vllm.deploy import ROUTER_POLICY
+    from kvxfer.client.integrations.vllm.router import ROUTER_POLICY
 
     docs = _docs(rendered["base"])
     [router] = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "vllm-router"]

@@ -286,7 +286,7 @@ def same_as_plain(trust: dict[str, Any], base: dict[str, Any], answer: dict[str,
 
 
 def test_malformed_params_never_kill_the_decode_engine_nor_change_its_answer(run) -> None:
-    """Straight to the decode engine: a string for the kvxfer params, v2 params with an
+    """Straight to the decode engine: a string for the kvxfer params, v3 params with an
     extra num_tokens of 100,000, do_remote_prefill "yes". Each is refused, named in the
     log, and the prompt computed there: the plain engine's answer, top-5 logprobs included."""
     trust, base = run["trust"], run["baseline_trust"]
@@ -331,23 +331,48 @@ def test_forged_or_replayed_params_never_change_an_answer(run) -> None:
     assert log.count("holds KV computed from another prompt than the puller's") == 1
     assert log.count("here is open to this caller") == 3  # replayed, altered id, capability
     assert trust["dials_refused"] == 1 and "outside this daemon's dial_allow" in log
-    assert "(params version: params version int 1; this connector reads version 2)" in log
+    assert "(params version: params version int 1; this connector reads version 3)" in log
 
 
 def test_engines_are_compatible_by_bytes_and_model_not_by_names_or_versions(run) -> None:
     """The prefill engine's params with another model path and vLLM version (the same
-    fingerprint and bytes) load; with another model fingerprint, or another in-block format,
-    they are refused naming what differs, and the decode engine computes the prompt. Each
-    answer is the plain engine's."""
+    fingerprint and bytes) load; with another model fingerprint, or another in-block format
+    (an AMX CPU's), they are refused naming what differs, and the decode engine computes
+    the prompt. Each answer is the plain engine's."""
     trust, base = run["trust"], run["baseline_trust"]
     cases = ("renamed", "other_model", "other_format")
     assert {c: same_as_plain(trust, base, trust[c]) for c in cases} == dict.fromkeys(cases, "")
     assert trust["renamed_loaded"] > 0  # its prompt came from the transfer
-    assert trust["block_format"].startswith("LBHNC/cpu-"), trust["block_format"]
+    assert trust["block_format"] == "mha_head_major"  # vLLM's CPU attention, vec kernel
     log = trust["decode_log"]
     assert "(params model: the prefill engine ran another model: fingerprint" in log
-    fmt = trust["block_format"]
-    assert f"block_format: ours {fmt!r}, theirs {fmt + '16'!r}" in log
+    assert "block_format: ours 'mha_head_major', theirs 'LBHNC/cpu-amx'" in log
+
+
+def test_engines_of_other_block_sizes_exchange_kv_through_pages_both_ways(run) -> None:
+    """An engine of 64-token blocks loads the KV the pair's prefill engine (blocks of 32)
+    computed, and the pair's decode engine loads what the 64-token engine computed, every
+    daemon keeping head-major pages of 32 tokens: each answer is the plain engine's, every
+    prompt token came from the transfer, and each transfer moved 32-token pages."""
+    blocks, base = run["blocks"], run["baseline_trust"]
+    cases = ("to_wide_B0", "to_wide_B1", "from_wide_B2")
+    assert {c: same_as_plain({}, base, blocks[c]) for c in cases} == dict.fromkeys(cases, "")
+    tokens = {c: blocks[c]["prompt_tokens"] for c in cases}
+    assert all(t % 64 not in (0, 32) for t in tokens.values()), tokens  # partial blocks
+    before, after = blocks["wide_before"], blocks["wide_after"]
+    assert (after["external_kv_transfer"] - before["external_kv_transfer"]
+            == tokens["to_wide_B0"] + tokens["to_wide_B1"])
+    assert after["local_compute"] == before["local_compute"]
+    d_before, d_after = blocks["decode_before"], blocks["decode_after"]
+    assert (d_after["external_kv_transfer"] - d_before["external_kv_transfer"]
+            == tokens["from_wide_B2"])
+    assert d_after["local_compute"] == d_before["local_compute"]
+    moved = {case: [role, state, pages] for case in cases
+             for transfer_id, (role, state, pages) in blocks["wide_transfers"].items()
+             if case.replace("_", "-") in transfer_id}
+    assert moved == {"to_wide_B0": ["RECEIVER", "DONE", math.ceil(tokens["to_wide_B0"] / 32)],
+                     "to_wide_B1": ["RECEIVER", "DONE", math.ceil(tokens["to_wide_B1"] / 32)],
+                     "from_wide_B2": ["SENDER", "DONE", math.ceil(tokens["from_wide_B2"] / 32)]}
 
 
 def test_a_request_aborted_while_its_load_waits_frees_its_blocks(run) -> None:
@@ -451,6 +476,16 @@ def test_negative_control_without_the_memory_epoch_a_restart_changes_the_answer(
     """An answer (HTTP 200, its prompt loaded from the transfer), not the plain one."""
     answer = unguarded["after_decode_restart"]
     assert "error" not in answer and unguarded["after_decode_restart_loaded"] > 0, answer
+    assert same_as_plain({}, unguarded["plain"], answer) != ""
+
+
+def test_negative_control_without_the_block_tiling_another_block_size_changes_the_answer(
+        unguarded) -> None:
+    """The 64-token engine fills each block with its two pages' bytes one after the other
+    (the tests' seam), not where its format keeps each slot: an answer, its prompt loaded
+    from the transfer, not the plain one."""
+    answer = unguarded["naive_tiling"]
+    assert "error" not in answer and unguarded["naive_tiling_loaded"] > 0, answer
     assert same_as_plain({}, unguarded["plain"], answer) != ""
 
 

@@ -12,7 +12,8 @@ connector's per-transfer records. The decode daemon is the tests' fault double
 (``corrupting_daemon.py``): it corrupts every transfer whose id contains
 "corrupt"; requests of the negative controls are named so (X-Request-Id). Then
 the trust phase (``vllm_trust_phase.py``): malformed and forged params, daemons
-killed and restarted. ``--tp 2`` runs every engine with two tensor-parallel
+killed and restarted; before it, the block-size phase (``vllm_block_phase.py``): an engine
+of 64-token blocks beside the pair. ``--tp 2`` runs every engine with two tensor-parallel
 ranks; ``--no-controls`` leaves the negative controls and the trust phase out;
 ``--failure-policy fail`` gives the decode engine that ``kv_load_failure_policy`` and
 ends with a load that fails (``vllm_trust_phase.fail_policy_case``). With the controls,
@@ -30,10 +31,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import vllm_block_phase
 import vllm_trust_phase
 from vllm_client import ask, ask_all, counters, metric
 
-from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer, free_port
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.processes import free_port
 from kvxfer.client.integrations.vllm.tiny_model import build, prompt
 
 HERE = Path(__file__).resolve().parent
@@ -118,6 +121,7 @@ def main() -> None:
         ports = (free(), free(), free()) if args.controls else None
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
+                            more_engines=("wide",) if args.controls else (),
                             daemon_args=["--dial-allow", "127.0.0.1/32"],
                             engine_args=["--enable-log-requests"] if args.controls else [],
                             failure_policy=args.failure_policy,
@@ -164,6 +168,7 @@ def main() -> None:
             if args.failure_policy == "fail":
                 out["fail_policy"] = vllm_trust_phase.fail_policy_case(d, model)
             if args.controls:
+                out["blocks"] = vllm_block_phase.run(d, model)
                 sample = json.loads(Path(args.params_sample).read_text()) if args.params_sample else []
                 out["trust"] = vllm_trust_phase.run(d, model, sample)
                 out["trust"]["leased_pages_at_end"] = leased_pages_settled(d)

@@ -19,7 +19,8 @@ import httpx
 from vllm_client import ask, ask_all, counters, metric
 
 from kvxfer.client import KvxferClient
-from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmRouter
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.router import VllmRouter
 from kvxfer.client.integrations.vllm.tiny_model import prompt
 
 #: Top logprobs compared per generated token.
@@ -35,6 +36,7 @@ PROMPTS = {
     **{f"W{i}": prompt(seed=360 + i, words=45 + 5 * i) for i in range(12)},
     "A0": prompt(seed=370, words=120), "A1": prompt(seed=371, words=30),
     **{f"C{i}": prompt(seed=380 + i, words=55 + 10 * i) for i in range(3)},
+    **{f"B{i}": prompt(seed=390 + i, words=70 + 30 * i) for i in range(4)},
 }
 #: How long the client of a request that is then aborted waits for its answer.
 ABANDON_S = 3.0
@@ -46,11 +48,11 @@ def malformed(layout: dict[str, Any], model: dict[str, Any]) -> list[dict[str, A
     """Params the decode engine must refuse (and compute the prompt itself)."""
     return [
         {"do_remote_prefill": True, "kvxfer": "x" * 64},
-        {"do_remote_prefill": True, "kvxfer": {"version": 2, "transfer_id": "x",
+        {"do_remote_prefill": True, "kvxfer": {"version": 3, "transfer_id": "x",
                                                "peer": "127.0.0.1:1", "capabilities": ["0" * 32],
                                                "num_tokens": 100_000, "layout": layout,
                                                "model": model}},
-        {"do_remote_prefill": "yes", "kvxfer": {"version": 2}},
+        {"do_remote_prefill": "yes", "kvxfer": {"version": 3}},
     ]
 
 
@@ -64,10 +66,12 @@ class Phase:
         #: Every capability a prefill answer carried (a secret no log may hold).
         self.capabilities: list[str] = []
 
-    def direct(self, name: str, params: dict[str, Any] | None, case: str) -> dict[str, Any]:
-        """``PROMPTS[name]`` straight to the decode engine with ``params``."""
-        assert self.d.decode is not None
-        with self.d.decode.client() as http:
+    def direct(self, name: str, params: dict[str, Any] | None, case: str,
+               engine: VllmServer | None = None) -> dict[str, Any]:
+        """``PROMPTS[name]`` straight to ``engine`` (default: the decode engine) with ``params``."""
+        engine = engine or self.d.decode
+        assert engine is not None
+        with engine.client() as http:
             return self._asked(http, name, params, case)
 
     def routed(self, router: VllmRouter, name: str, case: str) -> dict[str, Any]:
@@ -83,10 +87,12 @@ class Phase:
         answer["prompt"] = name
         return answer
 
-    def prefilled(self, name: str, case: str) -> dict[str, Any]:
-        """The ``kv_transfer_params`` the prefill engine answers for ``PROMPTS[name]``."""
-        assert self.d.prefill is not None
-        with self.d.prefill.client() as http:
+    def prefilled(self, name: str, case: str, engine: VllmServer | None = None) -> dict[str, Any]:
+        """The ``kv_transfer_params`` ``engine`` (default: the prefill engine) answers for
+        ``PROMPTS[name]``."""
+        engine = engine or self.d.prefill
+        assert engine is not None
+        with engine.client() as http:
             reply = http.post("/v1/completions", headers={"X-Request-Id": case}, json={
                 "model": self.model, "prompt": PROMPTS[name], "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {"do_remote_decode": True}})
@@ -160,7 +166,7 @@ def compatibility_cases(phase: Phase) -> None:
     out["other_model"] = phase.direct("C1", other_model, "other-model")
     other_format = phase.prefilled("C2", "other-format-source")
     out["block_format"] = other_format["kvxfer"]["layout"]["block_format"]
-    other_format["kvxfer"]["layout"]["block_format"] += "16"
+    other_format["kvxfer"]["layout"]["block_format"] = "LBHNC/cpu-amx"  # an AMX CPU's bfloat16
     out["other_format"] = phase.direct("C2", other_format, "other-format")
 
 

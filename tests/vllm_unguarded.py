@@ -5,7 +5,8 @@ usage: .venv-vllm/bin/python tests/vllm_unguarded.py WORKDIR
 A disaggregated deployment (two daemons, a prefill and a decode engine, the proxy) whose
 guards are switched off through the tests' seams: the daemons run
 ``unguarded_daemon.py capability,digest,dial``, the engines load
-``unguarded_engine/sitecustomize.py`` with ``KVXFER_UNGUARDED=epoch,parsing``. Each case
+``unguarded_engine/sitecustomize.py`` with ``KVXFER_UNGUARDED=epoch,parsing,tiling`` (the
+last matters only to the engine of 64-token blocks the tiling case adds). Each case
 is one that the guarded scenario (``vllm_trust_phase.py``) answers right; here it must do
 the harm the guard prevents. The plain answer of a prompt is the prefill engine's, asked
 without params (the same model, seed and settings as the decode engine). Prints one JSON
@@ -21,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from vllm_block_phase import PAGE, SOURCE, WIDE_BLOCK
 from vllm_client import ask, counters
 from vllm_trust_phase import PROMPTS, TOP, Phase
 
@@ -63,13 +65,15 @@ def plain(d: Disaggregation, model: str, name: str) -> dict[str, Any]:
 def main() -> None:
     workdir = Path(sys.argv[1])
     model = str(build(str(workdir / "model")))
-    env = {"PYTHONPATH": str(HERE / "unguarded_engine"), "KVXFER_UNGUARDED": "epoch,parsing"}
-    with Disaggregation(model, workdir, num_pages=512,
+    env = {"PYTHONPATH": str(HERE / "unguarded_engine"),
+           "KVXFER_UNGUARDED": "epoch,parsing,tiling"}
+    with Disaggregation(model, workdir, num_pages=512, more_engines=("wide",),
                         daemon_launcher=[sys.executable, str(HERE / "unguarded_daemon.py"),
                                          "capability,digest,dial"],
                         daemon_args=["--dial-allow", "127.0.0.1/32"], engine_env=env) as d:
         phase = Phase(d, model)
-        out: dict[str, Any] = {"plain": {name: plain(d, model, name) for name in ("G", "R2", "D0")}}
+        out: dict[str, Any] = {"plain": {name: plain(d, model, name)
+                                         for name in ("G", "R2", "D0", "B1")}}
 
         # digest: another prompt's params load that prompt's KV into this one.
         f_params = phase.prefilled("F", "forge-source")
@@ -93,6 +97,15 @@ def main() -> None:
             out["outside_dials"] = outside.accepted
         finally:
             outside.close()
+
+        # block tiling: an engine of 64-token blocks fills each block with its two pages'
+        # bytes one after the other, ignoring where its format keeps each slot.
+        _, wide = d.add_engine("wide", block_size=WIDE_BLOCK, page_size=PAGE)
+        b_params = phase.prefilled("B1", "tiling-source")
+        before = wide.metric(SOURCE % (model, "external_kv_transfer"))
+        out["naive_tiling"] = phase.direct("B1", b_params, "naive-tiling", engine=wide)
+        out["naive_tiling_loaded"] = wide.metric(SOURCE % (model, "external_kv_transfer")) - before
+        wide.stop()
 
         # memory identity: after a restart of the decode daemon, a transfer lands in the
         # new arena while the decode worker copies from its old mapping.

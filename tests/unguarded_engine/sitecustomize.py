@@ -6,6 +6,9 @@ through real engines; the connector has no such switch.
 - ``epoch``: workers keep their first mapping of a daemon's pool and name no memory epoch
   (not even the library's default, its latest attach's), so a restarted daemon cannot
   refuse them;
+- ``tiling``: a block of several pages is filled with its pages' bytes one after the other,
+  as if the in-block format kept each page's slots together (vLLM's head-major block does
+  not: its K is transposed, so the pages' slots interleave);
 - ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
   they come) and the connector's entry points unguarded, so a malformed request raises into
   vLLM's scheduler.
@@ -58,9 +61,38 @@ def _unguard_parsing() -> None:
         lambda self, what, call, fallback: call())
 
 
+def _unguard_tiling() -> None:
+    import torch
+
+    from kvxfer.client.engine_core.block_tiling import BlockTiling
+    from kvxfer.client.engine_core.page_segments import layer_spans
+    from kvxfer.layout import PoolLayout
+
+    init = BlockTiling.__init__
+
+    def keeping_layout(self: BlockTiling, layout: PoolLayout, block_size: int) -> None:
+        init(self, layout, block_size)
+        self.seen_layout = layout  # type: ignore[attr-defined]
+
+    def byte_runs(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
+                  pages: Any, block_ids: Any) -> None:
+        layout = self.seen_layout  # type: ignore[attr-defined]
+        offset, nbytes = layer_spans(layout)[layer]
+        rows = raw[layout.anchor_bytes:layout.anchor_bytes + layout.num_pages * layout.page_bytes]
+        rows = rows.view(layout.num_pages, layout.page_bytes)
+        for k, page in enumerate(pages):
+            at = (k % self.per_block) * nbytes
+            blocks[block_ids[k // self.per_block], at:at + nbytes] = rows[page, offset:offset + nbytes]
+
+    BlockTiling.__init__ = keeping_layout  # type: ignore[method-assign]
+    BlockTiling.copy_in = byte_runs  # type: ignore[method-assign]
+
+
 _GUARDS = set(filter(None, os.environ.get("KVXFER_UNGUARDED", "").split(",")))
 if _GUARDS:
     if "epoch" in _GUARDS:
         _unguard_epoch()
     if "parsing" in _GUARDS:
         _unguard_parsing()
+    if "tiling" in _GUARDS:
+        _unguard_tiling()
