@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 import torch
 from test_vllm_connector import LAYOUT, MODEL, Request, settings, wait_finished
 
@@ -17,6 +18,7 @@ from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
+from kvxfer.errors import InvalidSpecError
 from kvxfer.layout import MhaHeadMajorSpec
 
 WIDE = dataclasses.replace(LAYOUT, block_size=64, page_size=32)
@@ -96,6 +98,17 @@ def test_blocks_of_32_load_into_blocks_of_64(spawn) -> None:
                      "sent_pages": 3, "pulled_pages": 3}
 
 
+def test_blocks_of_32_load_into_blocks_of_64_past_a_prefix_cache_hit(spawn) -> None:
+    """The decode engine (blocks of 64) holds the first block: pages 2-4 cross, into the
+    second block's two parts and the third's first."""
+    pre = spawn("prefill", [pool_flag(LAYOUT, "kv", 64)])
+    dec = spawn("decode", [pool_flag(WIDE, "kv", 64)])
+    moved = hand_off(pre, dec, (LAYOUT, WIDE), src=[3, 7, 9, 1, 12], dst=[6, 4, 1], count=130,
+                     local=64)
+    assert moved == {"equal": dict.fromkeys(kv_caches(LAYOUT, 0), True),
+                     "sent_pages": 3, "pulled_pages": 3}
+
+
 def test_blocks_of_64_load_into_blocks_of_32_past_a_prefix_cache_hit(spawn) -> None:
     """The decode engine (blocks of 32) holds the first 64 tokens: of the 5 pages offered,
     only pages 2-4 cross, and its first two blocks are left as they were."""
@@ -111,3 +124,20 @@ def test_pools_are_described_as_vllms_blocks_are() -> None:
     """The flag of an engine of blocks of 64 in pages of 32: head-major pages of 32 tokens."""
     assert pool_flag(WIDE, "kv", 8) == ("name=kv,kind=mha_head_major,layer_num=2,head_num=2,"
                                         "head_dim=64,dtype=bfloat16,page_size=32,num_pages=8")
+
+
+def test_blocks_kvxfer_cannot_describe_move_whole_through_opaque_pages(spawn) -> None:
+    """An in-block format kvxfer has no kind for (an AMX CPU's) goes through pools of kind
+    ``opaque``, a page per block, byte for byte; pages shorter than its blocks are refused at
+    start, naming the format."""
+    amx = dataclasses.replace(LAYOUT, block_format="LBHNC/cpu-amx")
+    assert pool_flag(amx, "kv", 8) == ("name=kv,kind=opaque,layer_num=2,layer_bytes=16384,"
+                                       "page_size=32,num_pages=8")
+    pre = spawn("prefill", [pool_flag(amx, "kv", 64)])
+    dec = spawn("decode", [pool_flag(amx, "kv", 64)])
+    moved = hand_off(pre, dec, (amx, amx), src=[3, 7], dst=[4, 1], count=64)
+    assert moved == {"equal": dict.fromkeys(kv_caches(LAYOUT, 0), True),
+                     "sent_pages": 2, "pulled_pages": 2}
+    with pytest.raises(InvalidSpecError, match="in-block format 'LBHNC/cpu-amx' does not say "
+                                               "where each slot sits"):
+        dataclasses.replace(amx, block_size=64, page_size=32)

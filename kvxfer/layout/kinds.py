@@ -16,11 +16,18 @@ from dataclasses import fields
 from typing import Any
 
 from kvxfer.errors import InvalidSpecError
-from kvxfer.layout.specs import MambaSpec, MhaHeadMajorSpec, MhaSpec, MlaSpec, PoolSpec
+from kvxfer.layout.mamba import MambaSpec
+from kvxfer.layout.specs import (
+    MhaHeadMajorSpec,
+    MhaSpec,
+    MlaSpec,
+    OpaqueSpec,
+    PoolSpec,
+)
 
 #: Every kind's spec class, by the kind's name.
 SPEC_CLASSES: dict[str, type[PoolSpec]] = {
-    cls.kind.value: cls for cls in (MhaSpec, MhaHeadMajorSpec, MlaSpec, MambaSpec)}
+    cls.kind.value: cls for cls in (MhaSpec, MhaHeadMajorSpec, MlaSpec, MambaSpec, OpaqueSpec)}
 
 #: Named pool shapes for flags and the CLI (``--pool kv=llama8b``).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -35,6 +42,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # vLLM's CPU blocks of a tiny model: head by head, K transposed, 32-token pages.
     "tiny-head-major": dict(kind="mha_head_major", layer_num=4, head_num=2, head_dim=64,
                             dtype="bfloat16", page_size=32, num_pages=64),
+    # Blocks kvxfer moves whole (4 layers of 32 KiB per page).
+    "opaque-small": dict(kind="opaque", layer_num=4, layer_bytes=32768, page_size=32,
+                         num_pages=64),
     "mla-small": dict(kind="mla", layer_num=4, kv_lora_rank=128, qk_rope_head_dim=32,
                       dtype="bfloat16", page_size=16, num_pages=64),
     "mamba-small": dict(kind="mamba", layer_num=4, conv_state_shapes=[[64, 4]],

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kvxfer.errors import InvalidSpecError
-from kvxfer.layout.specs import PoolKind, PoolSpec, non_negative, positive
+from kvxfer.layout.fields import PoolKind, non_negative, positive
+from kvxfer.layout.specs import PoolSpec
 from kvxfer.layout.views import PoolViews, ViewSpec, build_views
 
 

@@ -7,6 +7,7 @@ pages move as one copy)::
 
     MHA page = [L0_K x ps | L0_V x ps | L1_K x ps | L1_V x ps | ...]
     head-major MHA page = [L0: H0 (K^T hd x ps | V ps x hd) | H1 (...) | ... | L1: ...]
+    opaque page = [L0 bytes | L1 bytes | ...]                (what is inside is not described)
     MLA page = [L0_latent x ps | L1_latent x ps | ...]       (MHA, one head, no V)
     Mamba slot = [conv0 x layers | conv1 x layers | ... | temporal x layers]
 
@@ -18,51 +19,12 @@ is how vLLM's CPU attention lays out a block (see ``MhaHeadMajorSpec``).
 
 from __future__ import annotations
 
-import enum
-import math
 from dataclasses import dataclass
 
 from kvxfer.dtypes import itemsize, torch_dtype
-from kvxfer.errors import InvalidSpecError
+from kvxfer.layout.fields import PoolKind, non_negative, positive
+from kvxfer.layout.mamba import MambaSpec
 from kvxfer.layout.views import ViewRole, ViewSpec
-
-
-class PoolKind(enum.Enum):
-    """What a pool stores."""
-
-    MHA = "mha"
-    MHA_HEAD_MAJOR = "mha_head_major"
-    MLA = "mla"
-    MAMBA = "mamba"
-
-
-def positive(name: str, value: object) -> int:
-    """``value`` if it is an integer above 0; raises InvalidSpecError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidSpecError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
-def non_negative(name: str, value: object) -> int:
-    """``value`` if it is an integer of 0 or more; raises InvalidSpecError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidSpecError(f"{name}={value!r} must be a non-negative integer")
-    return value
-
-
-def _shape(name: str, value: object) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not value:
-        raise InvalidSpecError(f"{name}={value!r} must be a non-empty list of positive integers")
-    return tuple(positive(f"{name}[{i}]", int_) for i, int_ in enumerate(value))
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for size in reversed(shape):
-        strides.append(acc)
-        acc *= size
-    return tuple(reversed(strides))
 
 
 class _TokenPaged:
@@ -268,123 +230,46 @@ class MlaSpec(_TokenPaged):
 
 
 @dataclass(frozen=True)
-class MambaSpec:
-    """Mamba-like recurrent state: conv states and a temporal (SSM) state per slot.
-
-    Slot-granular: ``page_size`` is always 1 and a page is one request's slot.
-    """
+class OpaqueSpec:
+    """Pages of ``page_size`` token slots whose bytes kvxfer moves but does not describe: each
+    layer of a page is ``layer_bytes`` bytes, side by side, laid out as an engine kvxfer has
+    no kind for keeps them (vLLM's CPU attention with its AMX kernel, say). Its views are
+    the layers' bytes: a worker can copy a layer, not read a head or a slot."""
 
     layer_num: int
-    conv_state_shapes: tuple[tuple[int, ...], ...]
-    conv_dtype: str
-    temporal_state_shape: tuple[int, ...]
-    temporal_dtype: str
-    num_slots: int
+    layer_bytes: int
+    page_size: int
+    num_pages: int
 
-    kind = PoolKind.MAMBA
+    kind = PoolKind.OPAQUE
+    dtype = "uint8"
 
     def __post_init__(self) -> None:
-        positive("layer_num", self.layer_num)
-        positive("num_slots", self.num_slots)
-        if not isinstance(self.conv_state_shapes, (tuple, list)) or not self.conv_state_shapes:
-            raise InvalidSpecError(
-                f"conv_state_shapes={self.conv_state_shapes!r} must be a non-empty list of shapes"
-            )
-        shapes = tuple(
-            _shape(f"conv_state_shapes[{i}]", s) for i, s in enumerate(self.conv_state_shapes)
-        )
-        object.__setattr__(self, "conv_state_shapes", shapes)
-        object.__setattr__(
-            self, "temporal_state_shape", _shape("temporal_state_shape", self.temporal_state_shape)
-        )
-        torch_dtype(self.conv_dtype, field="conv_dtype")
-        torch_dtype(self.temporal_dtype, field="temporal_dtype")
-        for name, size in (
-            ("conv_dtype", itemsize(self.conv_dtype)),
-            ("temporal_dtype", itemsize(self.temporal_dtype)),
-        ):
-            if self.slot_bytes % size:
-                raise InvalidSpecError(
-                    f"misaligned mamba spec: slot_bytes={self.slot_bytes} is not a multiple of "
-                    f"the {name} itemsize {size}"
-                )
-        if self._temporal_offset % itemsize(self.temporal_dtype):
-            raise InvalidSpecError(
-                f"misaligned mamba spec: the temporal region starts at byte "
-                f"{self._temporal_offset} of a slot, not a multiple of the temporal_dtype "
-                f"itemsize {itemsize(self.temporal_dtype)}"
-            )
-
-    @property
-    def page_size(self) -> int:
-        """Always 1: Mamba state is per request slot."""
-        return 1
-
-    @property
-    def num_pages(self) -> int:
-        """A slot is a page."""
-        return self.num_slots
-
-    @property
-    def _conv_bytes(self) -> tuple[int, ...]:
-        return tuple(math.prod(s) * itemsize(self.conv_dtype) for s in self.conv_state_shapes)
-
-    @property
-    def _temporal_offset(self) -> int:
-        return self.layer_num * sum(self._conv_bytes)
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one slot across all layers, conv and temporal."""
-        temporal = math.prod(self.temporal_state_shape) * itemsize(self.temporal_dtype)
-        return self._temporal_offset + self.layer_num * temporal
+        for name in ("layer_num", "layer_bytes", "page_size", "num_pages"):
+            positive(name, getattr(self, name))
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page (one slot)."""
-        return self.slot_bytes
+        """Bytes of one page: every layer's bytes."""
+        return self.layer_num * self.layer_bytes
 
     @property
     def total_bytes(self) -> int:
         """Bytes of the whole pool."""
-        return self.num_slots * self.slot_bytes
+        return self.num_pages * self.page_bytes
 
     @property
     def alignment(self) -> int:
-        """The byte alignment the pool's anchor must have (both dtypes)."""
-        return math.lcm(itemsize(self.conv_dtype), itemsize(self.temporal_dtype))
+        """The byte alignment the pool's anchor must have."""
+        return 1
 
     def view_specs(self, anchor_bytes: int) -> tuple[ViewSpec, ...]:
-        """One view per conv state, then the temporal view, each ``(layers, slots, *inner)``."""
-        views = []
-        offset = 0
-        conv_size = itemsize(self.conv_dtype)
-        for i, (shape, nbytes) in enumerate(zip(self.conv_state_shapes, self._conv_bytes)):
-            views.append(
-                ViewSpec(
-                    role=ViewRole.CONV,
-                    index=i,
-                    dtype=self.conv_dtype,
-                    shape=(self.layer_num, self.num_slots, *shape),
-                    stride=(nbytes // conv_size, self.slot_bytes // conv_size)
-                    + _contiguous_strides(shape),
-                    offset_bytes=anchor_bytes + offset,
-                )
-            )
-            offset += self.layer_num * nbytes
-        size = itemsize(self.temporal_dtype)
-        shape = self.temporal_state_shape
-        views.append(
-            ViewSpec(
-                role=ViewRole.TEMPORAL,
-                index=0,
-                dtype=self.temporal_dtype,
-                shape=(self.layer_num, self.num_slots, *shape),
-                stride=(math.prod(shape), self.slot_bytes // size) + _contiguous_strides(shape),
-                offset_bytes=anchor_bytes + offset,
-            )
-        )
-        return tuple(views)
+        """Per layer, its bytes: ``(num_pages, layer_bytes)`` of uint8."""
+        return tuple(
+            ViewSpec(role=ViewRole.BYTES, index=layer, dtype="uint8",
+                     shape=(self.num_pages, self.layer_bytes), stride=(self.page_bytes, 1),
+                     offset_bytes=anchor_bytes + layer * self.layer_bytes)
+            for layer in range(self.layer_num))
 
 
-PoolSpec = MhaSpec | MhaHeadMajorSpec | MlaSpec | MambaSpec
+PoolSpec = MhaSpec | MhaHeadMajorSpec | MlaSpec | MambaSpec | OpaqueSpec

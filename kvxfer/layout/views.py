@@ -24,6 +24,7 @@ class ViewRole(enum.Enum):
     LATENT = "latent"
     CONV = "conv"
     TEMPORAL = "temporal"
+    BYTES = "bytes"
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class PoolViews:
     MHA: ``k[layer]``, ``v[layer]`` of shape (num_pages, page_size, heads, dim).
     MLA: ``latent[layer]`` of shape (num_pages, page_size, 1, latent_dim).
     Mamba: ``conv[i]`` and ``temporal`` of shape (layers, slots, *inner).
+    Opaque: ``layer_bytes[layer]`` of shape (num_pages, layer_bytes), uint8.
     """
 
     k: tuple[torch.Tensor, ...] = ()
@@ -83,6 +85,7 @@ class PoolViews:
     latent: tuple[torch.Tensor, ...] = ()
     conv: tuple[torch.Tensor, ...] = ()
     temporal: torch.Tensor | None = None
+    layer_bytes: tuple[torch.Tensor, ...] = ()
 
 
 def build_views(raw: torch.Tensor, views: tuple[ViewSpec, ...]) -> PoolViews:
@@ -106,4 +109,5 @@ def build_views(raw: torch.Tensor, views: tuple[ViewSpec, ...]) -> PoolViews:
         latent=tuple(by_role[ViewRole.LATENT]),
         conv=tuple(by_role[ViewRole.CONV]),
         temporal=temporal[0] if temporal else None,
+        layer_bytes=tuple(by_role[ViewRole.BYTES]),
     )

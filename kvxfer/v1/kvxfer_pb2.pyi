@@ -179,6 +179,38 @@ class MhaHeadMajorSpec(_message.Message):
 Global___MhaHeadMajorSpec: _TypeAlias = MhaHeadMajorSpec  # noqa: Y015
 
 @_typing.final
+class OpaqueSpec(_message.Message):
+    """Pages whose bytes kvxfer moves but does not describe: per layer layer_bytes bytes,
+    side by side (an engine's block format kvxfer has no kind for).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_NUM_FIELD_NUMBER: _builtins.int
+    LAYER_BYTES_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_PAGES_FIELD_NUMBER: _builtins.int
+    layer_num: _builtins.int
+    layer_bytes: _builtins.int
+    page_size: _builtins.int
+    num_pages: _builtins.int
+    def __init__(
+        self,
+        *,
+        layer_num: _builtins.int = ...,
+        layer_bytes: _builtins.int = ...,
+        page_size: _builtins.int = ...,
+        num_pages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layer_bytes", b"layer_bytes", "layer_num", b"layer_num", "num_pages", b"num_pages", "page_size", b"page_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpaqueSpec: _TypeAlias = OpaqueSpec  # noqa: Y015
+
+@_typing.final
 class MlaSpec(_message.Message):
     """DeepSeek-style compressed KV: laid out as MHA with one head of
     kv_lora_rank + qk_rope_head_dim and no V block.
@@ -282,6 +314,7 @@ class PoolSpec(_message.Message):
     MLA_FIELD_NUMBER: _builtins.int
     MAMBA_FIELD_NUMBER: _builtins.int
     MHA_HEAD_MAJOR_FIELD_NUMBER: _builtins.int
+    OPAQUE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def mha(self) -> Global___MhaSpec: ...
     @_builtins.property
@@ -290,6 +323,8 @@ class PoolSpec(_message.Message):
     def mamba(self) -> Global___MambaSpec: ...
     @_builtins.property
     def mha_head_major(self) -> Global___MhaHeadMajorSpec: ...
+    @_builtins.property
+    def opaque(self) -> Global___OpaqueSpec: ...
     def __init__(
         self,
         *,
@@ -297,12 +332,13 @@ class PoolSpec(_message.Message):
         mla: Global___MlaSpec | None = ...,
         mamba: Global___MambaSpec | None = ...,
         mha_head_major: Global___MhaHeadMajorSpec | None = ...,
+        opaque: Global___OpaqueSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla", "opaque", b"opaque"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kind", b"kind", "mamba", b"mamba", "mha", b"mha", "mha_head_major", b"mha_head_major", "mla", b"mla", "opaque", b"opaque"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["mha", "mla", "mamba", "mha_head_major"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["mha", "mla", "mamba", "mha_head_major", "opaque"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

@@ -17,8 +17,8 @@ block head by head, K transposed (measured: both kernels write the same bytes, a
 sizes 16, 32, 64 and 128): the pool kind ``mha_head_major`` describes it, and a block of
 ``n`` pages holds their slots in order, so engines of different block sizes exchange KV
 through pages of a size that divides both (``engine_core.block_tiling``). Other formats
-(``amx``, ``neon``, GPU layouts) are moved as opaque bytes, a page per block, and need
-equal block sizes. The daemon's pool must hold exactly such pages (``check_pool``), and the
+(``amx``, ``neon``, GPU layouts) are moved as opaque bytes (pool kind ``opaque``), a page
+per block, and need equal block sizes. The daemon's pool must hold exactly such pages (``check_pool``), and the
 engine's KV caches exactly such blocks (``engine_blocks``); ``pool_flag`` writes the
 ``--pool`` flag of a daemon that does.
 """
@@ -126,14 +126,32 @@ class BlockLayout:
 
 def pool_spec(layout: BlockLayout, num_pages: int) -> PoolSpec:
     """The spec of a pool of ``num_pages`` pages of this engine's layout: head-major MHA
-    for ``HEAD_MAJOR`` blocks; for another format, MHA pages of a block's bytes (the bytes
-    are moved whole; their views do not describe them)."""
-    fields_ = dict(layer_num=layout.num_layers, head_num=layout.num_kv_heads,
-                   head_dim=layout.head_size, dtype=layout.dtype, page_size=layout.page_size,
-                   num_pages=num_pages)
+    for ``HEAD_MAJOR`` blocks; for another format, opaque pages of a block's bytes per
+    layer (moved whole: kvxfer does not know where a head or a slot sits in them)."""
     if layout.block_format == HEAD_MAJOR:
-        return spec_from_mapping({"kind": HEAD_MAJOR, **fields_})
-    return spec_from_mapping({"kind": "mha", "v_head_dim": layout.head_size, **fields_})
+        return spec_from_mapping({
+            "kind": HEAD_MAJOR, "layer_num": layout.num_layers, "head_num": layout.num_kv_heads,
+            "head_dim": layout.head_size, "dtype": layout.dtype, "page_size": layout.page_size,
+            "num_pages": num_pages})
+    return spec_from_mapping({"kind": "opaque", "layer_num": layout.num_layers,
+                              "layer_bytes": layout.page.layer_bytes,
+                              "page_size": layout.page_size, "num_pages": num_pages})
+
+
+def cpu_block_format(cache_layout: str, kernel: str, cache_dtype: str) -> str:
+    """The ``block_format`` of a vLLM CPU engine whose KV cache layout is ``cache_layout``
+    (``LBHNC``), attention kernel ``kernel`` (``vec``, ``vec16``, ``amx``, ``neon``, ...)
+    and cache dtype ``cache_dtype`` (``auto``: the model's): ``HEAD_MAJOR`` where kvxfer
+    knows the bytes (``vec`` and ``vec16`` write the same, unquantized), else the layout
+    and the kernel's name (bytes moved whole)."""
+    if cache_layout == "LBHNC" and kernel in ("vec", "vec16") and cache_dtype == "auto":
+        return HEAD_MAJOR
+    return f"{cache_layout}/cpu-{kernel}"
+
+
+def model_head_size(config: dict[str, Any]) -> int:
+    """A Hugging Face config's attention head size."""
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 
 
 def check_pool(layout: BlockLayout, pool: PoolDescriptor) -> None:
@@ -171,15 +189,16 @@ def model_dtype(model_dir: str) -> str:
 def model_pool_flag(model_dir: str, name: str, block_size: int, num_pages: int,
                     tp: int = 1, page_size: int = 0, block_format: str = HEAD_MAJOR) -> str:
     """The ``--pool`` value for a Hugging Face model directory (its config.json), without
-    vLLM, for engines of blocks of ``block_format`` (vLLM's CPU attention without AMX by
-    default) in pages of ``page_size`` (0: a block); with tensor parallelism a page is one
+    vLLM, for engines of blocks of ``block_format`` (default: vLLM's CPU attention with its
+    ``vec`` or ``vec16`` kernel; ``deploy.engine_block_format`` asks vLLM which this machine
+    runs) in pages of ``page_size`` (0: a block); with tensor parallelism a page is one
     rank's share of the KV heads."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     if kv_heads % tp:
         raise InvalidSpecError(f"{model_dir}: {kv_heads} KV heads do not split over {tp} ranks")
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    head_dim = model_head_size(config)
     dtype = model_dtype(model_dir)
     layout = BlockLayout(dtype, block_size, config["num_hidden_layers"], kv_heads // tp,
                          head_dim, tp, block_format, page_size)
