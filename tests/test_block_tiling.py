@@ -130,11 +130,12 @@ def test_blocks_that_do_not_split_into_pages_or_pools_without_slots_are_refused(
 
 def test_the_head_major_views_read_what_vllms_cpu_attention_writes() -> None:
     """vLLM's own ``cpu_attn_reshape_and_cache`` (kernels ``vec`` and ``vec16``; bfloat16,
-    float16, float32; blocks of 16 to 128) writes keys and values into a block; the
+    float16, float32; blocks of 16 to 128; head sizes 64 and 128, and 80 and 112 where vLLM
+    picks ``vec16``) writes keys and values into a block; the
     head-major kind's views at ``page_size = block_size`` read them back exactly, so a pool
     of that kind describes vLLM's CPU blocks truthfully."""
     result = subprocess.run([str(vllm_python()), str(HERE / "vllm_block_format.py")],
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     checked = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(checked) == 3 * 3 + 3 * 4 and all(checked.values()), checked
+    assert len(checked) == 3 * 3 * 2 + 3 * 4 * 3 and all(checked.values()), checked

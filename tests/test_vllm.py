@@ -357,6 +357,9 @@ def test_engines_of_other_block_sizes_exchange_kv_through_pages_both_ways(run) -
     blocks, base = run["blocks"], run["baseline_trust"]
     cases = ("to_wide_B0", "to_wide_B1", "from_wide_B2")
     assert {c: same_as_plain({}, base, blocks[c]) for c in cases} == dict.fromkeys(cases, "")
+    # Its block size alone changes no answer (so the negative control's change is the
+    # tiling's): a prompt it computes itself is the plain engine's answer too.
+    assert same_as_plain({}, base, blocks["wide_plain_B3"]) == ""
     tokens = {c: blocks[c]["prompt_tokens"] for c in cases}
     assert all(t % 64 not in (0, 32) for t in tokens.values()), tokens  # partial blocks
     before, after = blocks["wide_before"], blocks["wide_after"]
@@ -481,12 +484,14 @@ def test_negative_control_without_the_memory_epoch_a_restart_changes_the_answer(
 
 def test_negative_control_without_the_block_tiling_another_block_size_changes_the_answer(
         unguarded) -> None:
-    """The 64-token engine fills each block with its two pages' bytes one after the other
-    (the tests' seam), not where its format keeps each slot: an answer, its prompt loaded
-    from the transfer, not the plain one."""
-    answer = unguarded["naive_tiling"]
-    assert "error" not in answer and unguarded["naive_tiling_loaded"] > 0, answer
-    assert same_as_plain({}, unguarded["plain"], answer) != ""
+    """The 64-token engine fills each block with its two pages' bytes one after the other,
+    and cuts pages from its blocks so (the tests' seam), not where its format keeps each
+    slot: what it loads, and what the 32-token decode engine loads from it, are answers
+    (their prompts loaded from the transfers), not the plain ones."""
+    for case in ("naive_tiling", "naive_tiling_out"):
+        answer = unguarded[case]
+        assert "error" not in answer and unguarded[f"{case}_loaded"] > 0, (case, answer)
+        assert same_as_plain({}, unguarded["plain"], answer) != "", case
 
 
 def test_negative_control_without_strict_parsing_one_request_kills_the_decode_engine(

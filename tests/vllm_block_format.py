@@ -1,8 +1,9 @@
 """vLLM's CPU attention kernels write K and V into a block; print, as JSON, per kernel,
-dtype and block size, whether the head-major kind's views read them back exactly.
+dtype, block size and head size, whether the head-major kind's views read them back exactly.
 
 Run under the vLLM environment by test_block_tiling.py. ``vec`` needs blocks of a multiple
-of 32 tokens, so it is not tried at 16.
+of 32 tokens, so it is not tried at 16; vLLM picks ``vec16`` for head sizes that are a
+multiple of 16 but not of 32 (80, 112), so those are tried with it.
 """
 
 from __future__ import annotations
@@ -15,22 +16,24 @@ import torch
 from kvxfer.layout import MhaHeadMajorSpec
 
 warnings.filterwarnings("ignore")
-TOKENS, HEADS, HEAD_DIM = 128, 2, 64
+TOKENS, HEADS = 128, 2
+#: The head sizes each kernel is tried with.
+HEAD_SIZES = {"vec": (64, 128), "vec16": (64, 80, 112)}
 
 
-def reads_back(isa: str, dtype: torch.dtype, block_size: int) -> bool:
+def reads_back(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     import vllm._custom_ops as ops
 
     generator = torch.Generator().manual_seed(block_size)
-    key = torch.randn(TOKENS, HEADS, HEAD_DIM, generator=generator).to(dtype)
-    value = torch.randn(TOKENS, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    key = torch.randn(TOKENS, HEADS, head_dim, generator=generator).to(dtype)
+    value = torch.randn(TOKENS, HEADS, head_dim, generator=generator).to(dtype)
     num_blocks = TOKENS // block_size
     # vLLM's CPU cache of one layer, [blocks, heads, block_size, 2 * head_dim], and the
     # views its attention takes of it (cpu_attn.py: K and V as the halves of dim 2).
-    cache = torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD_DIM, dtype=dtype)
-    k_cache, v_cache = cache.view(num_blocks, HEADS, 2 * block_size, HEAD_DIM).chunk(2, dim=2)
+    cache = torch.zeros(num_blocks, HEADS, block_size, 2 * head_dim, dtype=dtype)
+    k_cache, v_cache = cache.view(num_blocks, HEADS, 2 * block_size, head_dim).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(TOKENS), isa)
-    spec = MhaHeadMajorSpec(1, HEADS, HEAD_DIM, str(dtype).removeprefix("torch."), block_size,
+    spec = MhaHeadMajorSpec(1, HEADS, head_dim, str(dtype).removeprefix("torch."), block_size,
                             num_blocks)
     k_view, v_view = (v.build(cache.view(torch.uint8).reshape(-1)) for v in spec.view_specs(0))
     return (torch.equal(k_view.flatten(0, 1), key) and torch.equal(v_view.flatten(0, 1), value))
@@ -38,12 +41,14 @@ def reads_back(isa: str, dtype: torch.dtype, block_size: int) -> bool:
 
 def main() -> None:
     checked = {}
-    for isa in ("vec", "vec16"):
+    for isa, head_sizes in HEAD_SIZES.items():
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for block_size in (16, 32, 64, 128):
                 if isa == "vec" and block_size % 32:
                     continue
-                checked[f"{isa}/{dtype}/{block_size}"] = reads_back(isa, dtype, block_size)
+                for head_dim in head_sizes:
+                    checked[f"{isa}/{dtype}/{block_size}/{head_dim}"] = reads_back(
+                        isa, dtype, block_size, head_dim)
     print(json.dumps(checked))
 
 

@@ -73,7 +73,7 @@ def main() -> None:
                         daemon_args=["--dial-allow", "127.0.0.1/32"], engine_env=env) as d:
         phase = Phase(d, model)
         out: dict[str, Any] = {"plain": {name: plain(d, model, name)
-                                         for name in ("G", "R2", "D0", "B1")}}
+                                         for name in ("G", "R2", "D0", "B1", "B2")}}
 
         # digest: another prompt's params load that prompt's KV into this one.
         f_params = phase.prefilled("F", "forge-source")
@@ -99,12 +99,17 @@ def main() -> None:
             outside.close()
 
         # block tiling: an engine of 64-token blocks fills each block with its two pages'
-        # bytes one after the other, ignoring where its format keeps each slot.
+        # bytes one after the other, and cuts its blocks into pages so, ignoring where its
+        # format keeps each slot: what it loads, and what it hands the decode engine.
         _, wide = d.add_engine("wide", block_size=WIDE_BLOCK, page_size=PAGE)
         b_params = phase.prefilled("B1", "tiling-source")
         before = wide.metric(SOURCE % (model, "external_kv_transfer"))
         out["naive_tiling"] = phase.direct("B1", b_params, "naive-tiling", engine=wide)
         out["naive_tiling_loaded"] = wide.metric(SOURCE % (model, "external_kv_transfer")) - before
+        out_params = phase.prefilled("B2", "tiling-out-source", engine=wide)
+        before = counters(d, model)["external_kv_transfer"]
+        out["naive_tiling_out"] = phase.direct("B2", out_params, "naive-tiling-out")
+        out["naive_tiling_out_loaded"] = counters(d, model)["external_kv_transfer"] - before
         wide.stop()
 
         # memory identity: after a restart of the decode daemon, a transfer lands in the

@@ -7,8 +7,9 @@ through real engines; the connector has no such switch.
   (not even the library's default, its latest attach's), so a restarted daemon cannot
   refuse them;
 - ``tiling``: a block of several pages is filled with its pages' bytes one after the other,
-  as if the in-block format kept each page's slots together (vLLM's head-major block does
-  not: its K is transposed, so the pages' slots interleave);
+  and pages are cut from a block the same way, as if the in-block format kept each page's
+  slots together (vLLM's head-major block does not: its K is transposed, so the pages'
+  slots interleave);
 - ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
   they come) and the connector's entry points unguarded, so a malformed request raises into
   vLLM's scheduler.
@@ -74,18 +75,30 @@ def _unguard_tiling() -> None:
         init(self, layout, block_size)
         self.seen_layout = layout  # type: ignore[attr-defined]
 
-    def byte_runs(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
-                  pages: Any, block_ids: Any) -> None:
+    def runs(self: BlockTiling, raw: torch.Tensor, layer: int, pages: Any,
+             block_ids: Any) -> Any:
+        """Each page's span of ``layer``, and the byte run of its block it is taken for."""
         layout = self.seen_layout  # type: ignore[attr-defined]
         offset, nbytes = layer_spans(layout)[layer]
         rows = raw[layout.anchor_bytes:layout.anchor_bytes + layout.num_pages * layout.page_bytes]
         rows = rows.view(layout.num_pages, layout.page_bytes)
         for k, page in enumerate(pages):
             at = (k % self.per_block) * nbytes
-            blocks[block_ids[k // self.per_block], at:at + nbytes] = rows[page, offset:offset + nbytes]
+            yield rows[page, offset:offset + nbytes], block_ids[k // self.per_block], at, nbytes
+
+    def runs_in(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
+                pages: Any, block_ids: Any) -> None:
+        for page, block, at, nbytes in runs(self, raw, layer, pages, block_ids):
+            blocks[block, at:at + nbytes] = page
+
+    def runs_out(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
+                 block_ids: Any, pages: Any) -> None:
+        for page, block, at, nbytes in runs(self, raw, layer, pages, block_ids):
+            page.copy_(blocks[block, at:at + nbytes])
 
     BlockTiling.__init__ = keeping_layout  # type: ignore[method-assign]
-    BlockTiling.copy_in = byte_runs  # type: ignore[method-assign]
+    BlockTiling.copy_in = runs_in  # type: ignore[method-assign]
+    BlockTiling.copy_out = runs_out  # type: ignore[method-assign]
 
 
 _GUARDS = set(filter(None, os.environ.get("KVXFER_UNGUARDED", "").split(",")))

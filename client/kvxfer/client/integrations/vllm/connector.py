@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from kvxfer.client.integrations.vllm.layout import HEAD_MAJOR, BlockLayout
+from kvxfer.client.integrations.vllm.layout import BlockLayout, cpu_block_format
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.client.integrations.vllm.model_identity import (
     ModelIdentity,
@@ -84,10 +84,9 @@ class KvxferMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
-    """How K and V sit inside this engine's blocks: ``HEAD_MAJOR`` for vLLM's CPU attention
-    with the ``vec`` or ``vec16`` kernel and an unquantized cache (the pool kind of that
-    name describes it); otherwise vLLM's KV cache layout (e.g. ``LBHNC``, ``NHD``) and, on
-    CPU, the kernel that decides how K rows are packed (``amx``, ``neon``, ...)."""
+    """How K and V sit inside this engine's blocks: on CPU, ``layout.cpu_block_format`` of
+    its KV cache layout, attention kernel and cache dtype; on GPU, vLLM's KV cache layout
+    (e.g. ``NHD``)."""
     resolved = (getattr(kv_cache_config, "kv_cache_layout", None)
                 or vllm_config.cache_config.kv_cache_layout or "unresolved")
     layout = str(getattr(resolved, "name", resolved))
@@ -96,10 +95,8 @@ def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size())
-    if layout == "LBHNC" and isa in ("vec", "vec16") and cache.cache_dtype == "auto":
-        return HEAD_MAJOR
-    return f"{layout}/cpu-{isa}"
+    kernel = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size())
+    return cpu_block_format(layout, kernel, str(cache.cache_dtype))
 
 
 def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,

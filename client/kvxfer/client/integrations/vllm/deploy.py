@@ -26,7 +26,12 @@ from typing import Any
 
 import httpx
 
-from kvxfer.client.integrations.vllm.layout import model_dtype, model_pool_flag
+from kvxfer.client.integrations.vllm.layout import (
+    cpu_block_format,
+    model_dtype,
+    model_head_size,
+    model_pool_flag,
+)
 from kvxfer.client.integrations.vllm.processes import http_client, stop_process, wait_healthy
 from kvxfer.client.integrations.vllm.router import VllmRouter
 from kvxfer.client.spawn import LocalDaemon, dev_certs
@@ -63,6 +68,18 @@ def mapped_paths() -> set[str]:
         paths.update(fields[5] for line in text.splitlines()
                      if len(fields := line.split(maxsplit=5)) == 6)
     return paths
+
+
+def engine_block_format(model: str, block_size: int) -> str:
+    """The ``block_format`` vLLM's CPU attention gives ``model``'s blocks of ``block_size``
+    on this machine (its kernel depends on the CPU: ``amx`` for bfloat16 where AMX is)."""
+    import torch
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    kernel = _get_attn_isa(getattr(torch, model_dtype(model)), block_size,
+                           model_head_size(config))
+    return cpu_block_format("LBHNC", kernel, "auto")
 
 
 def cpu_binding(tp: int) -> str:
@@ -205,7 +222,8 @@ class Disaggregation:
         self.workdir = workdir
         self.tp = tp
         self.num_pages = num_pages
-        self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp)
+        self.pool = model_pool_flag(model, "kv", BLOCK_SIZE, num_pages, tp=tp,
+                                    block_format=engine_block_format(model, BLOCK_SIZE))
         self.verify = verify
         self.daemon_launcher = daemon_launcher
         self.decode_daemon_launcher = decode_daemon_launcher or daemon_launcher
@@ -292,7 +310,8 @@ class Disaggregation:
             raise ValueError(f"engine {name!r} is not one of more_engines {self.more_engines} "
                              "of a started deployment")
         pool = model_pool_flag(self.model, "kv", block_size, self.num_pages, tp=self.tp,
-                               page_size=page_size)
+                               page_size=page_size,
+                               block_format=engine_block_format(self.model, block_size))
         daemon = self._stack.enter_context(LocalDaemon(
             f"{name}-daemon", [pool], workdir=str(self.workdir / name), metrics=True,
             tls=self._tls, extra_args=self.daemon_args))
