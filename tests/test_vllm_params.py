@@ -25,7 +25,11 @@ from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, MODEL, Request
 
 from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
-from kvxfer.client.integrations.vllm.protocol import RemotePrefill, parse_remote_prefill
+from kvxfer.client.integrations.vllm.protocol import (
+    PARAMS_VERSION,
+    RemotePrefill,
+    parse_remote_prefill,
+)
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
 
@@ -111,8 +115,9 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
         del params["kvxfer"]
         return params, "malformed"
     if kind == "version_other":
-        ours["version"] = draw(st.one_of(st.integers().filter(lambda v: v != 2), st.just(True),
-                                         st.just(2.0), st.just("2"), st.none()))
+        ours["version"] = draw(st.one_of(
+            st.integers().filter(lambda v: v != PARAMS_VERSION), st.just(True),
+            st.just(float(PARAMS_VERSION)), st.just(str(PARAMS_VERSION)), st.none()))
         return params, "version"
     if kind == "version_missing":
         del ours["version"]
