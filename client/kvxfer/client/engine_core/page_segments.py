@@ -115,7 +115,7 @@ def layer_spans(layout: PoolLayout) -> tuple[tuple[int, int], ...]:
     spans: list[tuple[int, int, int]] = []  # (offset, end, bytes held)
     for r in _all_runs(layout):
         end = r.offset + r.extent
-        if r.layer == len(spans) - 1 and r.offset < spans[-1][1] + 1:
+        if r.layer == len(spans) - 1 and r.offset <= spans[-1][1]:
             first, last, held = spans[-1]
             spans[-1] = (first, max(last, end), held + r.nbytes)
         elif r.layer == len(spans) and (not spans or spans[-1][1] == r.offset):

@@ -36,12 +36,11 @@ import torch
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.dtypes import itemsize
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
-from kvxfer.layout.kinds import spec_from_mapping
-from kvxfer.layout.specs import PoolSpec
+from kvxfer.layout import MhaHeadMajorSpec, OpaqueSpec, PoolKind, PoolSpec
 
 #: The in-block format, and pool kind, of vLLM's CPU attention with the ``vec`` and
 #: ``vec16`` kernels: per KV head, K transposed then V.
-HEAD_MAJOR = "mha_head_major"
+HEAD_MAJOR = PoolKind.MHA_HEAD_MAJOR.value
 
 
 @dataclass(frozen=True)
@@ -129,13 +128,9 @@ def pool_spec(layout: BlockLayout, num_pages: int) -> PoolSpec:
     for ``HEAD_MAJOR`` blocks; for another format, opaque pages of a block's bytes per
     layer (moved whole: kvxfer does not know where a head or a slot sits in them)."""
     if layout.block_format == HEAD_MAJOR:
-        return spec_from_mapping({
-            "kind": HEAD_MAJOR, "layer_num": layout.num_layers, "head_num": layout.num_kv_heads,
-            "head_dim": layout.head_size, "dtype": layout.dtype, "page_size": layout.page_size,
-            "num_pages": num_pages})
-    return spec_from_mapping({"kind": "opaque", "layer_num": layout.num_layers,
-                              "layer_bytes": layout.page.layer_bytes,
-                              "page_size": layout.page_size, "num_pages": num_pages})
+        return MhaHeadMajorSpec(layout.num_layers, layout.num_kv_heads, layout.head_size,
+                                layout.dtype, layout.page_size, num_pages)
+    return OpaqueSpec(layout.num_layers, layout.page.layer_bytes, layout.page_size, num_pages)
 
 
 def cpu_block_format(cache_layout: str, kernel: str, cache_dtype: str) -> str:
