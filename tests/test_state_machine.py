@@ -184,12 +184,25 @@ async def the_peer_aborts_before_this_side_registers(sender: Side, receiver: Sid
     assert isinstance(got.failure, TransferDeadlineError), got.error
 
 
+async def the_worker_aborts_before_it_registers(sender: Side, receiver: Side,
+                                                network: FakeNetwork) -> None:
+    """NOT_FOUND, but remembered (the worker's own abort, unlike a peer's): the
+    registration that follows ends ABORTED at once."""
+    with pytest.raises(TransferNotFoundError):
+        receiver.transfers.abort("ok", "its request ended")
+    receiver.transfers.expect("ok", "kv", DST, 0.2)
+    got = await receiver.final("ok")
+    assert isinstance(got.failure, TransferAbortedError), got.error
+    assert "before it was registered: its request ended" in got.error
+
+
 #: (scenario, transitions it drives on the sender, on the receiver).
 SCENARIOS: list[tuple[Scenario, set[Transition], set[Transition]]] = [
     (a_push_completes, {(W, T), (T, DONE)}, {(W, T), (T, DONE)}),
     (a_verified_push_completes, {(W, T), (T, DONE)}, {(W, T), (T, DONE)}),
     (an_abort_before_the_sender_arrives, set(), {(W, ABORTED)}),
     (the_peer_aborts_before_this_side_registers, set(), {(W, LATE)}),
+    (the_worker_aborts_before_it_registers, set(), {(W, ABORTED)}),
     (the_sender_aborts_mid_transfer, {(T, ABORTED)}, {(T, ABORTED)}),
     (the_receiver_aborts_mid_transfer, {(T, ABORTED)}, {(T, ABORTED)}),
     (nobody_sends_before_the_deadline, set(), {(W, LATE)}),

@@ -64,7 +64,10 @@ class KvxferStub:
     Wait: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]
     """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]
-    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
+    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
+    An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
+    the transfer ends ABORTED at once.
+    """
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]
     """In-flight and recently ended transfers (kvxfer transfers)."""
     Completions: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]
@@ -114,7 +117,10 @@ class KvxferAsyncStub(KvxferStub):
     Wait: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.WaitRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
-    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
+    """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
+    An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
+    the transfer ends ABORTED at once.
+    """
     ListTransfers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]  # type: ignore[assignment]
     """In-flight and recently ended transfers (kvxfer transfers)."""
     Completions: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.CompletionsRequest, _kvxfer_pb2.CompletionsResponse]  # type: ignore[assignment]
@@ -221,7 +227,10 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         request: _kvxfer_pb2.AbortRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
-        """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended)."""
+        """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
+        An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
+        the transfer ends ABORTED at once.
+        """
 
     @_abc_1.abstractmethod
     def ListTransfers(

@@ -28,7 +28,8 @@ wants an offer it has not pulled yet (its request waits in the engine's queue), 
 it waiting at P (``KeepOffers``), and drops it when the engine never will
 (``offer_keeping``).
 
-Modules: ``record`` (one side of a transfer and the table of its states),
+Modules: ``record`` (one side of a transfer and the table of its states), ``early_aborts``
+(aborts that came before their transfer),
 ``registry`` (registration, lookup for peers, retention, endings), ``planning``
 (chunks and tags), ``sender``, ``receiver``, ``offer_keeping``, and ``coordinator``
 (the verbs).

@@ -26,6 +26,7 @@ from kvxfer.errors import (
     StaleArenaError,
     TransferAbortedError,
     TransferDeadlineError,
+    TransferNotFoundError,
 )
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
@@ -35,6 +36,7 @@ from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PeerAbort, Pu
 from kvxfer.server.sessions import Sessions
 from kvxfer.server.tls import Caller
 from kvxfer.server.transfers.capability import not_open_to_caller, presents
+from kvxfer.server.transfers.early_aborts import KEEP_S, EarlyAborts
 from kvxfer.server.transfers.offer_keeping import OfferKeeping
 from kvxfer.server.transfers.receiver import Receiver
 from kvxfer.server.transfers.record import Transfer
@@ -79,6 +81,7 @@ class TransferCoordinator:
         self._authenticated_peers = authenticated_peers
         self._epoch = epoch
         self._background: set[asyncio.Task[None]] = set()
+        self._early_aborts = EarlyAborts()
         self._lease_watch: asyncio.Task[None] | None = None
         #: Offers kept waiting for their puller, or dropped by it.
         self.offers = OfferKeeping(registry, leases, clients, max_offer_s=max_offer_s,
@@ -197,9 +200,16 @@ class TransferCoordinator:
         return t
 
     def abort(self, transfer_id: str, reason: str) -> Transfer:
-        """End ``transfer_id`` on both sides (nothing happens if it already ended)."""
+        """End ``transfer_id`` on both sides (nothing happens if it already ended). An id not
+        registered here is NOT_FOUND, and remembered (``early_aborts``): registered within
+        ``KEEP_S``, it ends ABORTED at once."""
         check_text("reason", reason)
-        t = self.registry.get(transfer_id)
+        t = self.registry.find(transfer_id)
+        if t is None:
+            self._early_aborts.remember(transfer_id, reason)
+            raise TransferNotFoundError(
+                f"no transfer {transfer_id!r} is known here; the abort is remembered for "
+                f"{KEEP_S:g}s, and ends it at once if it is registered meanwhile")
         if not t.state.final:
             self.registry.finish(t, TransferAbortedError(
                 f"aborted here: {reason or 'no reason given'}"))
@@ -236,6 +246,10 @@ class TransferCoordinator:
                                    release_lease=lease.release_lease,
                                    peer_identity=peer_identity, capability=capability,
                                    prompt_digest=prompt_digest)
+        aborted = self._early_aborts.take(transfer_id)
+        if aborted is not None:
+            self.registry.finish(t, TransferAbortedError(
+                f"aborted here before it was registered: {aborted or 'no reason given'}"))
         if not t.state.final:
             t.timer = asyncio.get_running_loop().call_later(t.timeout_s, self._expire, t)
         return t
