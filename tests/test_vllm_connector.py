@@ -310,6 +310,11 @@ def pending_load(pre, dec, req_id: str, **extra: Any) -> Iterator[PendingLoad]:
     try:
         worker.bind(sched.build_plan({}, lambda _: []))
         worker.start_load_kv()
+        with KvxferClient(dec.worker_address) as d:  # the start is made off the step
+            deadline = time.monotonic() + 10.0
+            while not d.transfers():
+                assert time.monotonic() < deadline, "the pull was never registered"
+                time.sleep(0.01)
         yield PendingLoad(sched, worker, request, kv, {k: v.clone() for k, v in kv.items()})
     finally:
         os.kill(pre.pid, signal.SIGCONT)
@@ -326,10 +331,11 @@ def test_a_request_that_ends_while_loading_is_cancelled_reported_finished_and_un
         assert load.sched.request_finished(load.request) is None  # the client went away
         load.worker.bind(load.sched.build_plan({}, lambda _: []))
         load.worker.start_load_kv()
-        [info] = d.transfers()
+        deadline = time.monotonic() + 5.0  # the abort and the end are off the step
+        while (info := d.transfers()[0]).state.name != "ABORTED" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert info.state.name == "ABORTED" and "its request ended" in info.error
         finished = set()
-        deadline = time.monotonic() + 5.0  # the end reaches the worker through its feed
         while not finished and time.monotonic() < deadline:
             finished = load.worker.get_finished()
         assert finished == {"gone"} and load.worker.take_failed() == set()
@@ -439,11 +445,10 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
     for rank, worker in enumerate(workers):
         worker.register_kv_caches(kv_caches(30 + rank))
 
-    def refused(loading: Any) -> None:
-        raise TransferNotFoundError(f"{loading.load.transfer_id}/tp1 is not offered (this "
-                                    "test's rank 1)")
+    def refused(request: Any) -> None:
+        raise TransferNotFoundError(f"{request.transfer_id} is not offered (this test's rank 1)")
 
-    workers[1]._pull = refused  # type: ignore[method-assign]
+    workers[1]._loads._starts._start = refused  # type: ignore[method-assign]
     request = Request("split", 64, params)
     sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, [8, 9], 64)
@@ -453,7 +458,8 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
         for worker in workers:
             worker.bind(plan)
             worker.start_load_kv()
-        assert workers[1].get_finished() == {"split"} and workers[1].take_failed() == {"split"}
+        wait_finished(workers[1], "split", timeout_s=5.0)
+        assert workers[1].take_failed() == {"split"}
         wait_finished(workers[0], "split", timeout_s=5.0)
         assert workers[0].take_failed() == {"split"}
         with KvxferClient(dec.worker_address) as d:

@@ -35,6 +35,7 @@ from test_vllm_connector import (
 from kvxfer.client import KvxferClient
 from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.engine_core.loads import PageLoads
+from kvxfer.client.engine_core.pull_starts import PullStarts
 from kvxfer.client.integrations.vllm.protocol import RemotePrefill
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.status import LeaseUse
@@ -58,7 +59,8 @@ def workers_threads_end(within_s: float = 3.0) -> bool:
     within ``within_s`` (a feed dropped at a re-attach ends with its call in flight)."""
     def left() -> list[str]:
         return [t.name for t in threading.enumerate()
-                if t.name.startswith(("kvxfer-completions", "kvxfer-release"))]
+                if t.name.startswith(("kvxfer-completions", "kvxfer-release",
+                                          "kvxfer-pull-starts"))]
     deadline = time.monotonic() + within_s
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -151,6 +153,9 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
     wait = CompletionFeed.wait
     monkeypatch.setattr(CompletionFeed, "wait",
                         lambda self, timeout_s: waits.append(timeout_s) or wait(self, timeout_s))
+    wait_start = PullStarts.wait  # a step with only a start in flight waits for it instead
+    monkeypatch.setattr(PullStarts, "wait", lambda self, timeout_s: waits.append(timeout_s)
+                        or wait_start(self, timeout_s))
     params = {"do_remote_prefill": True, "do_remote_decode": False,
               "kvxfer": {"version": 3, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),

@@ -9,6 +9,7 @@ these, and keeps only what is the engine's own (its requests, blocks and metrics
   engine's block tensors and spans of pages, and re-mapping after a daemon restart;
 - ``loads``: pulls in flight into leased pages, their endings (a feed, off the engine's
   step), expiry, and the pulls a daemon restart ended;
+- ``pull_starts``: the calls that start those pulls, made from a thread, off the step;
 - ``endings``: releases and aborts that never raise into the engine, off its step;
 - ``reconnecting``: one bounded wait for a daemon that is restarting.
 

@@ -1,17 +1,25 @@
 """Pulls in flight into pages leased for them, and how each ended: an engine's decode half.
 
-``start`` leases pages and pulls a transfer into them in one call (``LeasePull``), through
-the memory epoch of the caller's mapping (a daemon that restarted since refuses it:
-StaleArenaError, and the caller maps the pool again, ``follow``, and retries). A
-``CompletionFeed`` (a thread of its own) long-polls the daemon for endings, so ``poll``
-makes no call unless the daemon no longer kept some endings. ``poll`` hands back each pull
-that ended, once: a failed one with its lease already released, a successful one for the
-caller to read and then ``release``. A pull dropped (``cancel``: its request ended) is
-aborted and its lease released only once its end is told, since bytes already on their way
-may land until then. ``expire`` fails pulls the daemon has not ended well past their
-deadline. ``follow`` after (re)mapping the pool: endings from now on, and every pull of
-another memory epoch failed at once (the daemon that held it restarted, its pages with it).
-Each pull carries the engine's own ``payload`` (vLLM's ``Load``).
+``start`` queues a pull: a thread of its own (``engine_core.pull_starts``) leases pages and
+pulls the transfer into them in one call (``LeasePull``), through the memory epoch of the
+caller's mapping, so the caller's step makes no call. A ``CompletionFeed`` (another thread)
+long-polls the daemon for endings. ``poll`` takes both, on the caller's thread, which alone
+decides what they mean:
+
+- a start that failed ends its pull at once; one the daemon refused because it restarted
+  since the mapping was made (StaleArenaError) re-maps the pool (``remap``) and is tried
+  once more;
+- an ending that arrives before its start was collected is held until it is;
+- a pull dropped (``cancel``: its request ended), started or still starting, is aborted
+  and its lease released only once its end is told, since bytes already on their way may
+  land until then.
+
+``poll`` hands back each pull that ended, once: a failed one with its lease already
+released, a successful one for the caller to read and then ``release``. ``expire`` fails
+pulls the daemon has not ended well past their deadline. ``follow`` after (re)mapping the
+pool: endings from now on, and every pull of another memory epoch failed at once (the
+daemon that held it restarted, its pages with it). Each pull carries the engine's own
+``payload`` (vLLM's ``Load``).
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from typing import Generic, TypeVar
 
 from kvxfer.client.completion_feed import CompletionFeed
 from kvxfer.client.engine_core.endings import Endings
+from kvxfer.client.engine_core.pull_starts import PullRequest, PullStarts, Started
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import KvxferClient
-from kvxfer.errors import KvxferError, TransferExistsError
+from kvxfer.errors import KvxferError, StaleArenaError, TransferExistsError
 from kvxfer.status import LeaseInfo, TransferInfo
 
 log = logging.getLogger("kvxfer.engine_core")
@@ -35,20 +44,24 @@ P = TypeVar("P")
 
 #: How long past its deadline a pull may stay unreported before it is failed here.
 EXPIRY_GRACE_S = 10.0
+#: How long ``close`` waits for a start in its call, to abort what it started.
+CLOSE_WAIT_S = 5.0
 
 
 @dataclass
 class Pull(Generic[P]):
-    """A pull in flight: where its pages land, when it started, the memory epoch of the
-    mapping it lands in, and when the daemon registered it (a completion of an earlier
-    registration of the same id is not its own)."""
+    """A pull: where its pages land (None: its start failed, nothing was leased), when it
+    was queued (``perf_counter``), the memory epoch of the mapping it lands in, when the
+    daemon registered it (a completion of an earlier registration of the same id is not its
+    own) and when its start call returned (``time.time``)."""
 
     payload: P
     transfer_id: str
-    lease: LeaseInfo
+    lease: LeaseInfo | None
     started: float
     epoch: str
     registered_unix: float
+    returned_unix: float
 
 
 @dataclass(frozen=True)
@@ -77,11 +90,14 @@ class PageLoads(Generic[P]):
     """The pulls one engine worker has in flight through ``client``'s daemon."""
 
     def __init__(self, client: KvxferClient, endings: Endings, reach: Reconnecting, *,
-                 timeout_s: float) -> None:
+                 timeout_s: float, remap: Callable[[], None]) -> None:
+        """``remap`` maps the pool again (its daemon restarted) and calls ``follow``."""
         self._client = client
         self._endings = endings
-        self._reach = reach
+        self._remap = remap
         self._timeout_s = timeout_s
+        self._starts: PullStarts[P] = PullStarts(client, reach, timeout_s=timeout_s)
+        self._early: dict[str, TransferInfo] = {}  # endings of pulls still starting
         self._pending: dict[str, Pull[P]] = {}
         self._releasing: dict[str, Pull[P]] = {}  # dropped pulls whose end is not told yet
         self._cursor = 0
@@ -91,8 +107,8 @@ class PageLoads(Generic[P]):
 
     @property
     def pending(self) -> int:
-        """Pulls in flight."""
-        return len(self._pending)
+        """Pulls in flight, starting or started."""
+        return len(self._pending) + len(self._starts)
 
     def follow(self, epoch: str) -> list[PullEnd[P]]:
         """The pool was mapped at memory ``epoch``: follow endings from now on; the pulls of
@@ -110,51 +126,52 @@ class PageLoads(Generic[P]):
 
     def check_free(self, transfer_id: str) -> None:
         """TransferExistsError if ``transfer_id`` is still being pulled (or dropped) here."""
-        if transfer_id in self._pending or transfer_id in self._releasing:
+        if (transfer_id in self._pending or transfer_id in self._releasing
+                or transfer_id in self._starts):
             raise TransferExistsError(f"transfer {transfer_id!r} is already being loaded here")
 
     def start(self, payload: P, transfer_id: str, *, peer: str, pool: str, pages: int,
               skip_pages: int, capability: str, prompt_digest: bytes, epoch: str,
-              lease_s: float, holder: str) -> Pull[P]:
-        """Lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past the offer's
-        first ``skip_pages``; TransferExistsError if it is still being pulled here."""
+              lease_s: float, holder: str) -> None:
+        """Queue a pull: lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past
+        the offer's first ``skip_pages`` (``poll`` tells how it went); TransferExistsError if
+        it is still being pulled here."""
         self.check_free(transfer_id)
-        lease, pulled = self._reach.call(lambda: self._client.lease_and_pull(
-            transfer_id, peer, pool, pages, timeout_s=self._timeout_s, lease_s=lease_s,
-            holder=holder, arena_epoch=epoch, capability=capability,
-            prompt_digest=prompt_digest, skip_pages=skip_pages))
-        pull = Pull(payload, transfer_id, lease, time.perf_counter(), epoch, pulled.created_unix)
-        self._pending[transfer_id] = pull
+        self._starts.submit(PullRequest(payload, transfer_id, peer, pool, pages, skip_pages,
+                                        capability, prompt_digest, epoch, lease_s, holder))
         if self._feed is None:
             self._feed = CompletionFeed(self._client, self._cursor)
-        return pull
 
     def cancel(self, which: Callable[[P], bool], why: str) -> list[P]:
         """Abort the pulls whose payload ``which`` selects; their leases are released once
         their ends are told."""
-        dropped = []
+        dropped = self._starts.cancel(which, why)
         for tid, pull in list(self._pending.items()):
             if which(pull.payload):
                 del self._pending[tid]
-                self._endings.abort(tid, why)
+                self._endings.abort_soon(tid, why)
                 self._releasing[tid] = pull
                 dropped.append(pull.payload)
         return dropped
 
     def wait(self, wait_s: float) -> None:
-        """Wait up to ``wait_s`` for an ending while pulls are in flight (returns at once
-        when one arrives, or none is in flight)."""
-        if self._feed is not None and wait_s and self._pending:
+        """Wait up to ``wait_s`` for an ending while pulls are in flight, or for a start while
+        only starts are (returns at once when one arrives, or nothing is in flight)."""
+        if not wait_s:
+            return
+        if self._feed is not None and self._pending:
             self._feed.wait(wait_s)
+        elif self._starts:
+            self._starts.wait(wait_s)
 
     def poll(self) -> list[PullEnd[P]]:
         """The pulls that ended since the last call. When the daemon no longer kept some
         endings, asks it for every ended transfer, each call until one succeeds. A failed
         call is logged, never raised."""
+        ends = self._collect_starts()
         if self._feed is None:
-            return []
+            return ends
         batches, error = self._feed.take()
-        ends: list[PullEnd[P]] = []
         if error is not None:
             log.warning("kvxfer: could not ask the daemon which transfers ended: %s: %s",
                         type(error).__name__, error)
@@ -174,13 +191,71 @@ class PageLoads(Generic[P]):
         self._resync = False
         return ends
 
+    def _collect_starts(self) -> list[PullEnd[P]]:
+        """Register the pulls whose start returned; end those that failed, retry those a
+        restarted daemon refused (once, after re-mapping), abort those dropped meanwhile."""
+        ends: list[PullEnd[P]] = []
+        for start in self._starts.collect():
+            request = start.request
+            early = self._early.pop(request.transfer_id, None)
+            if start.error is not None:
+                if request.cancelled:
+                    continue  # nothing was leased or started
+                if isinstance(start.error, StaleArenaError) and not request.retried:
+                    ends += self._retry(start)
+                    continue
+                ends.append(self._start_failed(start, f"{type(start.error).__name__}: "
+                                               f"{start.error}", failure_reason(start.error)))
+                continue
+            assert start.lease is not None and start.info is not None
+            pull = Pull(request.payload, request.transfer_id, start.lease, start.submitted,
+                        request.epoch, start.info.created_unix, start.returned_unix)
+            if request.cancelled:
+                self._endings.abort_soon(request.transfer_id, request.cancelled)
+                self._releasing[request.transfer_id] = pull
+            elif request.epoch != self._epoch:  # registered before its daemon restarted
+                self._pending[request.transfer_id] = pull
+                ends += self._lost(self._epoch)
+                continue
+            else:
+                self._pending[request.transfer_id] = pull
+            if early is not None:
+                ends += self._settle([early])
+        return ends
+
+    def _retry(self, start: Started[P]) -> list[PullEnd[P]]:
+        """Start again a pull the daemon refused for its memory epoch, after re-mapping the
+        pool if no one did since the start was queued."""
+        request = start.request
+        if request.epoch == self._epoch:
+            try:
+                self._remap()
+            except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
+                return [self._start_failed(start, f"re-mapping the pool failed: "
+                                           f"{type(exc).__name__}: {exc}", failure_reason(exc))]
+        request.epoch, request.retried = self._epoch, True
+        self._starts.submit(request)
+        if self._feed is None:
+            self._feed = CompletionFeed(self._client, self._cursor)
+        return []
+
+    @staticmethod
+    def _start_failed(start: Started[P], why: str, reason: str) -> PullEnd[P]:
+        request = start.request
+        pull = Pull(request.payload, request.transfer_id, None, start.submitted, request.epoch,
+                    0.0, start.returned_unix)
+        return PullEnd(pull, None, why, reason)
+
     def _settle(self, infos: list[TransferInfo]) -> list[PullEnd[P]]:
         ends: list[PullEnd[P]] = []
         for info in infos:
+            if info.transfer_id in self._starts:
+                self._early[info.transfer_id] = info  # its start is not collected yet
+                continue
             dropped = self._releasing.get(info.transfer_id)
             if dropped is not None and info.created_unix == dropped.registered_unix:
                 del self._releasing[info.transfer_id]
-                self._endings.release(dropped.lease.lease_id)
+                self._release(dropped)
             pull = self._pending.get(info.transfer_id)
             if pull is None or info.created_unix != pull.registered_unix:
                 continue  # not ours, or an earlier registration of the same id
@@ -188,7 +263,7 @@ class PageLoads(Generic[P]):
             if info.ok:
                 ends.append(PullEnd(pull, info))
                 continue
-            self._endings.release(pull.lease.lease_id)
+            self._release(pull)
             ends.append(PullEnd(pull, info, f"transfer {info.state.name}: {info.error}",
                                 failure_reason(info.failure) if info.failure is not None
                                 else info.state.name))
@@ -196,7 +271,11 @@ class PageLoads(Generic[P]):
 
     def release(self, end: PullEnd[P]) -> None:
         """The caller has read ``end``'s pages: release them."""
-        self._endings.release(end.pull.lease.lease_id)
+        self._release(end.pull)
+
+    def _release(self, pull: Pull[P]) -> None:
+        if pull.lease is not None:
+            self._endings.release(pull.lease.lease_id)
 
     def _lost(self, epoch: str) -> list[PullEnd[P]]:
         ends: list[PullEnd[P]] = []
@@ -220,21 +299,26 @@ class PageLoads(Generic[P]):
         for tid, pull in list(self._pending.items()):
             if now - pull.started > limit:
                 del self._pending[tid]
-                self._endings.abort(tid, "no ending reported by its deadline")
+                self._endings.abort_soon(tid, "no ending reported by its deadline")
                 self._releasing[tid] = pull
                 ends.append(PullEnd(pull, None, f"the daemon reported no ending within "
                                                 f"{limit:.0f}s", "NO_ENDING"))
         for tid, dropped in list(self._releasing.items()):
             if now - dropped.started > 2 * limit:  # its end never came: the lease expires anyway
                 del self._releasing[tid]
-                self._endings.release(dropped.lease.lease_id)
+                self._release(dropped)
         return ends
 
     def close(self, why: str) -> None:
-        """Abort every pull in flight and release its pages; stop following endings."""
+        """Abort every pull in flight (waiting up to ``CLOSE_WAIT_S`` for one being started)
+        and release its pages; stop following endings."""
+        for start in self._starts.close(CLOSE_WAIT_S):
+            assert start.lease is not None
+            self._endings.abort(start.request.transfer_id, why)
+            self._endings.release(start.lease.lease_id)
         for tid, pull in list(self._pending.items()):
             self._endings.abort(tid, why)
-            self._endings.release(pull.lease.lease_id)
+            self._release(pull)
         self._pending.clear()
         if self._feed is not None:
             self._feed.close()

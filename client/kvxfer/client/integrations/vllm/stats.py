@@ -8,10 +8,10 @@ pickles it from the workers to the scheduler and sums the ranks' (``merge``).
 ``metrics.KvxferConnectorStats`` and ``metrics.KvxferPromMetrics`` hand them to vLLM.
 
 A decode record carries its load's timeline, each step's seconds since the scheduler
-planned the load (its request's blocks allocated): the worker started it
-(``started_s``), the daemon leased its pages and took the pull, in one call
-(``pulled_s``), the worker took the daemon's ending (``ended_s``), the bytes were
-copied into the engine's blocks (``landed_s``); with ``planned_unix``, the wall clock
+planned the load (its request's blocks allocated): the worker queued it (``started_s``),
+the daemon leased its pages and took the pull, in the one call of the worker's start
+thread (``pulled_s``: the call returned), the worker took the daemon's ending
+(``ended_s``), the bytes were copied into the engine's blocks (``landed_s``); with ``planned_unix``, the wall clock
 of the plan, to line it up with the prefill engine's record and a client's clock.
 """
 

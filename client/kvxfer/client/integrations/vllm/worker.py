@@ -11,10 +11,11 @@ instead (``engine_core.block_tiling``).
 Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
 into its leased pages as the forward computes them (copy-out); ``wait_for_save``
 offers the pages as the request's transfer, lease ending with it, so the
-engine's blocks are free at once. Decode: ``start_load_kv`` leases pages and
-starts a pull per planned load and returns (``engine_core.loads``: endings come from a
-feed in a thread of its own, so the step makes no call); ``get_finished`` copies the
-finished ones into the request's blocks (copy-in) and reports them; failed ones are
+engine's blocks are free at once. Decode: ``start_load_kv`` queues a pull per planned
+load, each leasing its pages, and returns (``engine_core.loads``: the pulls start from a
+thread and their endings come from a feed in another, so the step makes no call to the
+daemon); ``get_finished`` has the finished ones copied into the request's blocks
+(copy-in, in a thread too: ``engine_core.landings``) and reports them once copied; failed ones are
 reported failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
 recomputes or fails them, never serves them. A load dropped because its request
 ended is reported finished too, so vLLM frees the blocks it held for it.
@@ -40,6 +41,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import torch
 
 from kvxfer.client.engine_core.endings import Endings
+from kvxfer.client.engine_core.landings import Landed, Landings
 from kvxfer.client.engine_core.loads import PageLoads, PullEnd, failure_reason
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
 from kvxfer.client.engine_core.reconnecting import Reconnecting
@@ -108,7 +110,9 @@ class WorkerSide:
                                    check=lambda pool: check_pool(layout, pool),
                                    block_size=layout.block_size)
         self._loads: PageLoads[Loading] = PageLoads(self._client, self._endings, reach,
-                                                    timeout_s=settings.timeout_s)
+                                                    timeout_s=settings.timeout_s,
+                                                    remap=self._remap)
+        self._landings: Landings[tuple[PullEnd[Loading], float]] = Landings()
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
         self._plan = StepPlan()
@@ -135,11 +139,19 @@ class WorkerSide:
 
     def _attach(self) -> None:
         """Map the daemon's pool (dropping an earlier mapping first) and follow its endings
-        from now: the loads of another memory epoch fail."""
+        from now: the loads of another memory epoch fail. Copies in flight from the old
+        mapping finish first."""
         self._loads.stop_following()
+        self._landings.drain()
         self._blocks.attach()
         for end in self._loads.follow(self._blocks.epoch):
             self._fail(end.pull.payload.load, end.why, end.reason)
+
+    def _remap(self) -> None:
+        """The daemon refused a pull for its memory epoch: it restarted since we mapped it."""
+        log.warning("kvxfer: daemon %s restarted since we mapped pool %r: re-attaching",
+                    self._settings.daemon, self._settings.pool)
+        self._attach()
 
     def _current(self, epoch: str) -> None:
         """Make the mapping the one of memory ``epoch`` (a lease's): re-attach when the daemon
@@ -251,25 +263,14 @@ class WorkerSide:
                 self._fail(load, f"{type(exc).__name__}: {exc}", failure_reason(exc))
 
     def _start(self, load: Load) -> None:
-        """Lease pages for ``load`` and pull into them, in one call, through our mapping's
-        memory epoch (a daemon that restarted since refuses it: re-attach, then try once
-        more). A transfer id this worker is still loading (params used twice) is refused."""
+        """Queue ``load``'s pull, into pages leased for it, through our mapping's memory epoch
+        (``engine_core.loads`` retries once, re-attached, if the daemon restarted since). A
+        transfer id this worker is still loading (params used twice) is refused."""
         loading = Loading(load, LoadTimeline(load.planned_unix))
         loading.timeline.mark("started")
         self._loads.check_free(rank_transfer(load.transfer_id, self._rank, self._layout.tp_size))
         if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
             self._attach()
-        try:
-            self._pull(loading)
-        except StaleArenaError:
-            log.warning("kvxfer: daemon %s restarted since we mapped pool %r: re-attaching",
-                        self._settings.daemon, self._settings.pool)
-            self._attach()
-            self._pull(loading)
-        loading.timeline.mark("pulled")
-
-    def _pull(self, loading: Loading) -> None:
-        load = loading.load
         self._loads.start(
             loading, rank_transfer(load.transfer_id, self._rank, self._layout.tp_size),
             peer=load.peer, pool=self._settings.pool, pages=load.pulled_pages,
@@ -281,9 +282,14 @@ class WorkerSide:
         """Requests whose load ended since the last step (failed ones too: see take_failed).
         The step ends here: if it carried a save or a load, the connector's time in it (not
         counting an idle step's wait for endings) goes into the interval's figures."""
-        if self._plan.idle:
-            self._loads.wait(self._settings.idle_wait_s)  # waiting, not holding up a step
+        if self._plan.idle:  # waiting, not holding up a step
+            if self._landings:
+                self._landings.wait(self._settings.idle_wait_s)
+            else:
+                self._loads.wait(self._settings.idle_wait_s)
         start = time.perf_counter()
+        for landed in self._landings.collect():
+            self._landed(landed)
         try:
             ends = self._loads.poll()
         except Exception as exc:  # noqa: BLE001 - the engine goes on; loads past their deadline fail
@@ -307,28 +313,38 @@ class WorkerSide:
         return finished
 
     def _land(self, end: PullEnd[Loading]) -> None:
-        """Copy a finished pull's pages into its request's blocks (a failed copy fails it)."""
+        """Have a finished pull's pages copied into its request's blocks, in the landing
+        thread (``_landed`` reports it once copied)."""
+        load, rows = end.pull.payload.load, self._blocks
+        assert end.pull.lease is not None
+        if end.pull.epoch != rows.epoch:  # re-attached since: its pages are another arena's
+            self._fail(load, f"the daemon restarted (memory epoch {rows.epoch[:12]}, the "
+                             f"load's {end.pull.epoch[:12]}): its transfer is gone",
+                       "DAEMON_RESTARTED")
+            return
+        pages = list(end.pull.lease.runs.pages())[:load.pulled_pages]
+        end.pull.payload.timeline.pulled = end.pull.returned_unix
+        end.pull.payload.timeline.mark("ended")
+        self._landings.submit((end, time.perf_counter() - end.pull.started),
+                              lambda: rows.copy_in(self._kv, pages, load.block_ids))
+
+    def _landed(self, landed: Landed[tuple[PullEnd[Loading], float]]) -> None:
+        """A copy-in finished: release the pages, report the load (failed if the copy was)."""
+        end, transfer_s = landed.payload
         load, timeline, info = end.pull.payload.load, end.pull.payload.timeline, end.info
         assert info is not None
-        transfer_s = time.perf_counter() - end.pull.started
-        timeline.mark("ended")
-        start = time.perf_counter()
-        try:
-            pages = list(end.pull.lease.runs.pages())[:load.pulled_pages]
-            self._blocks.copy_in(self._kv, pages, load.block_ids)
-        except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
-            self._fail(load, f"copying it in failed: {type(exc).__name__}: {exc}", "COPY_FAILED")
+        self._loads.release(end)
+        if landed.error is not None:
+            self._fail(load, f"copying it in failed: {type(landed.error).__name__}: "
+                             f"{landed.error}", "COPY_FAILED")
             return
-        finally:
-            self._loads.release(end)
-        copy_s = time.perf_counter() - start
         timeline.mark("landed")
         self._finished.add(load.req_id)
         self.interval.load(timeline.landed - timeline.started, info.bytes, load.pulled_pages)
         self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=True, pages=load.pulled_pages, bytes=info.bytes,
                            transfer_s=transfer_s, daemon_s=info.seconds,
-                           daemon_data_s=info.data_seconds, copy_s=copy_s,
+                           daemon_data_s=info.data_seconds, copy_s=landed.seconds,
                            verified=info.verified, **timeline.fields())
 
     def _fail(self, load: Load, why: str, reason: str) -> None:
@@ -362,8 +378,9 @@ class WorkerSide:
     # -- both ------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Abort pending loads, unmap the pool, close the channel."""
+        """Abort pending loads, finish the copies in flight, unmap the pool, close the channel."""
         self._loads.close("the engine shut down")
+        self._landings.close()
         self._endings.close()
         self._blocks.detach()
         self._client.close()
