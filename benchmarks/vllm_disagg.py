@@ -17,8 +17,8 @@ connector's own timestamps (``kvxfer.client.integrations.vllm.stats``):
 ``prefill`` (request sent to the prefill engine's offer of its KV: prefill compute,
 copy-out and the offer call), ``to_decode`` (offer to the decode scheduler planning
 the load: the prefill's answer through the proxy to the decode engine), ``to_start``
-(plan to the worker starting it), ``lease_and_pull`` (the worker's one call to its
-daemon), ``transfer`` (the daemons' pull until the worker took its ending),
+(plan to the worker queueing it), ``lease_and_pull`` (queued until the worker's start
+thread's one call to its daemon returned), ``transfer`` (the daemons' pull until the worker took its ending),
 ``copy_in``, and ``first_token`` (copy-in done to the first token streamed here).
 
 With ``--burst N``, each round then sends N streams together (``--burst-gap-ms`` apart,
