@@ -54,17 +54,21 @@ def engines(spawn):
     client.close()
 
 
-def slowed(worker: WorkerSide, *, before_s: float = 0.0, after_s: float = 0.0) -> None:
-    """Make ``worker``'s start thread pause before and after each ``LeasePull`` call."""
+def gated(worker: WorkerSide, *, before: threading.Event | None = None,
+          after: threading.Event | None = None) -> None:
+    """Make ``worker``'s start thread wait (up to 10 s each) for ``before`` ahead of each
+    ``LeasePull`` call and for ``after`` once it returned."""
     starts = worker._loads._starts
     call: Callable[[PullRequest[Any]], Any] = starts._start
 
     def start(request: PullRequest[Any]) -> Any:
-        time.sleep(before_s)
+        if before is not None:
+            before.wait(10.0)
         try:
             return call(request)
         finally:
-            time.sleep(after_s)
+            if after is not None:
+                after.wait(10.0)
 
     starts._start = start  # type: ignore[method-assign]
 
@@ -133,19 +137,56 @@ def test_a_step_returns_while_a_landed_load_is_copied_into_its_blocks(engines,
         assert d.leased_pages() == {"kv": 0}
 
 
+def test_a_request_that_ends_while_its_load_is_copied_in_is_reported_once(engines,
+                                                                         monkeypatch) -> None:
+    """The request ends while its landed load's copy-in is held: the copy finishes (vLLM
+    keeps the blocks until the load is reported), the load is reported finished once, not
+    failed, and its pages are released."""
+    entered, proceed = threading.Event(), threading.Event()
+    copy_in = PagedBlocks.copy_in
+
+    def held(self: PagedBlocks, *args: Any) -> None:
+        entered.set()
+        proceed.wait(10.0)
+        copy_in(self, *args)
+
+    monkeypatch.setattr(PagedBlocks, "copy_in", held)
+    dreq = load(engines, "gone-copying", [3, 4], [13, 14])
+    engines.work_d.start_load_kv()
+    deadline = time.monotonic() + 10.0
+    while not entered.is_set():
+        assert time.monotonic() < deadline, "the load never landed"
+        assert engines.work_d.get_finished() == set()
+        time.sleep(0.01)
+    assert engines.sched_d.request_finished(dreq) is None  # the client went away
+    engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
+    engines.work_d.start_load_kv()
+    assert engines.work_d.get_finished() == set()  # not before its copy finished
+    proceed.set()
+    wait_finished(engines.work_d, dreq.request_id)
+    assert engines.work_d.take_failed() == set()
+    with KvxferClient(engines.dec.worker_address) as d:
+        deadline = time.monotonic() + 5.0
+        while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:
+            assert engines.work_d.get_finished() == set()  # reported once
+            time.sleep(0.02)
+        assert d.leased_pages() == {"kv": 0}
+
+
 def test_an_ending_that_comes_before_its_start_is_collected_still_lands_the_load(engines) -> None:
-    """The start thread returns 0.5 s after its call: the transfer's ending reaches the
-    completion feed first. The worker holds it until the start is collected, and the load
-    lands byte-exact (dropped, the load would wait for its deadline)."""
-    slowed(engines.work_d, after_s=0.5)
+    """The start thread returns only once the test lets it: the transfer's ending reaches
+    the worker first (on its completion feed). The worker holds it until the start is
+    collected, and the load lands byte-exact (dropped, the load would wait for its deadline)."""
+    returned = threading.Event()
+    gated(engines.work_d, after=returned)
     dreq = load(engines, "early-ending", [4, 5, 6], [1, 2, 3])
     engines.work_d.start_load_kv()
-    with KvxferClient(engines.dec.worker_address) as d:
-        deadline = time.monotonic() + 10.0
-        while not [i for i in d.transfers() if i.state.final]:
-            assert time.monotonic() < deadline, "the pull never ended"
-            time.sleep(0.01)
-        assert engines.work_d.get_finished() == set()  # its start is still being returned
+    deadline = time.monotonic() + 10.0
+    while not engines.work_d._loads._early:  # the ending, held until its start is collected
+        assert time.monotonic() < deadline, "the ending never reached the worker"
+        assert engines.work_d.get_finished() == set()
+        time.sleep(0.01)
+    returned.set()
     wait_finished(engines.work_d, dreq.request_id, timeout_s=10)
     assert engines.work_d.take_failed() == set()
     assert landed(engines, [4, 5, 6], [1, 2, 3])
@@ -156,7 +197,8 @@ def test_a_request_that_ends_while_its_load_is_starting_is_reported_once_and_abo
     """The request ends while its pull's start is in flight: it is reported finished (not
     failed) at once, exactly once; the pull, once registered, is aborted; its pages are
     released; the decode engine's blocks are untouched."""
-    slowed(engines.work_d, before_s=0.3)
+    let_start = threading.Event()
+    gated(engines.work_d, before=let_start)
     before = {k: v.clone() for k, v in engines.kv_d.items()}
     dreq = load(engines, "gone-starting", [2, 3], [9, 10])
     engines.work_d.start_load_kv()
@@ -165,6 +207,7 @@ def test_a_request_that_ends_while_its_load_is_starting_is_reported_once_and_abo
     engines.work_d.start_load_kv()
     assert engines.work_d.get_finished() == {dreq.request_id}
     assert engines.work_d.take_failed() == set()
+    let_start.set()
     with KvxferClient(engines.dec.worker_address) as d:
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:
@@ -180,9 +223,9 @@ def test_a_request_that_ends_while_its_load_is_starting_is_reported_once_and_abo
 
 
 def test_an_abort_that_reaches_the_daemon_before_its_pull_ends_the_pull_at_once(spawn) -> None:
-    """TP 2: rank 1's load fails at its start while rank 0's start is still on its way
-    (its thread pauses 1 s before the call), so rank 1's abort of rank 0's transfer reaches
-    the decode daemon first. The daemon remembers it: rank 0's pull ends ABORTED when it is
+    """TP 2: rank 1's load fails at its start while rank 0's start waits (its thread is held
+    until rank 1's abort of rank 0's transfer was made), so that abort reaches the decode
+    daemon first. The daemon remembers it: rank 0's pull ends ABORTED when it is
     registered, and both ranks report the request failed within seconds, not at the pull's
     20 s deadline (the prefill daemon is frozen, so nothing else would end it)."""
     pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
@@ -199,7 +242,8 @@ def test_an_abort_that_reaches_the_daemon_before_its_pull_ends_the_pull_at_once(
         raise TransferNotFoundError(f"{request.transfer_id} is not offered (this test's rank 1)")
 
     workers[1]._loads._starts._start = refused  # type: ignore[method-assign]
-    slowed(workers[0], before_s=1.0)
+    aborted = threading.Event()
+    gated(workers[0], before=aborted)
     request = Request("split-early", 64, params)
     sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, [8, 9], 64)
@@ -211,8 +255,11 @@ def test_an_abort_that_reaches_the_daemon_before_its_pull_ends_the_pull_at_once(
             worker.start_load_kv()
         wait_finished(workers[1], "split-early", timeout_s=5.0)
         assert workers[1].take_failed() == {"split-early"}
+        # Rank 1's aborts run in order in one thread: once this no-op ran, rank 0's was made.
+        workers[1]._endings._releaser.submit(lambda: None).result(10.0)
         with KvxferClient(dec.worker_address) as d:
             assert d.transfers() == []  # the abort came first
+            aborted.set()
             wait_finished(workers[0], "split-early", timeout_s=8.0)
             assert workers[0].take_failed() == {"split-early"}
             [info] = d.transfers()

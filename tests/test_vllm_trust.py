@@ -60,7 +60,7 @@ def workers_threads_end(within_s: float = 3.0) -> bool:
     def left() -> list[str]:
         return [t.name for t in threading.enumerate()
                 if t.name.startswith(("kvxfer-completions", "kvxfer-release",
-                                          "kvxfer-pull-starts"))]
+                                          "kvxfer-pull-starts", "kvxfer-landings"))]
     deadline = time.monotonic() + within_s
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)

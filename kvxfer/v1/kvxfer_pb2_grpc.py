@@ -208,8 +208,8 @@ class KvxferServicer:
 
     def Abort(self, request, context):
         """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
-        An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
-        the transfer ends ABORTED at once.
+        An id not registered here is NOT_FOUND, and remembered for 60 s: an expect or pull
+        registered under it meanwhile ends ABORTED at once.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -65,8 +65,8 @@ class KvxferStub:
     """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]
     """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
-    An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
-    the transfer ends ABORTED at once.
+    An id not registered here is NOT_FOUND, and remembered for 60 s: an expect or pull
+    registered under it meanwhile ends ABORTED at once.
     """
     ListTransfers: _grpc.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]
     """In-flight and recently ended transfers (kvxfer transfers)."""
@@ -118,8 +118,8 @@ class KvxferAsyncStub(KvxferStub):
     """A transfer's status once it is final, or when the call's timeout passes."""
     Abort: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.AbortRequest, _kvxfer_pb2.TransferStatus]  # type: ignore[assignment]
     """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
-    An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
-    the transfer ends ABORTED at once.
+    An id not registered here is NOT_FOUND, and remembered for 60 s: an expect or pull
+    registered under it meanwhile ends ABORTED at once.
     """
     ListTransfers: _aio.UnaryUnaryMultiCallable[_kvxfer_pb2.ListTransfersRequest, _kvxfer_pb2.ListTransfersResponse]  # type: ignore[assignment]
     """In-flight and recently ended transfers (kvxfer transfers)."""
@@ -228,8 +228,8 @@ class KvxferServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvxfer_pb2.TransferStatus, _abc.Awaitable[_kvxfer_pb2.TransferStatus]]:
         """End a transfer as ABORTED, here and at its peer (nothing changes if it already ended).
-        An id not registered here is NOT_FOUND, and remembered for 60 s: registered meanwhile,
-        the transfer ends ABORTED at once.
+        An id not registered here is NOT_FOUND, and remembered for 60 s: an expect or pull
+        registered under it meanwhile ends ABORTED at once.
         """
 
     @_abc_1.abstractmethod

@@ -105,11 +105,6 @@ class PageLoads(Generic[P]):
         self._resync = False  # some endings were missed: ask for every ended transfer
         self._epoch = ""  # of the mapping the pulls land in (``follow``)
 
-    @property
-    def pending(self) -> int:
-        """Pulls in flight, starting or started."""
-        return len(self._pending) + len(self._starts)
-
     def follow(self, epoch: str) -> list[PullEnd[P]]:
         """The pool was mapped at memory ``epoch``: follow endings from now on; the pulls of
         another epoch end DAEMON_RESTARTED (returned)."""
@@ -181,7 +176,7 @@ class PageLoads(Generic[P]):
                 continue
             self._resync = self._resync or ended.missed
             ends += self._settle(ended.transfers)
-        if self._resync and (self._pending or self._releasing):
+        if self._resync and (self._pending or self._releasing or self._starts):
             try:
                 ends += self._settle([i for i in self._client.transfers() if i.state.final])
             except Exception as exc:  # noqa: BLE001 - the ends settled above must not be lost

@@ -140,7 +140,9 @@ class PullStarts(Generic[P]):
 
     def close(self, wait_s: float) -> list[Started[P]]:
         """Drop the starts not begun; wait up to ``wait_s`` for the one in its call; return
-        what came of those that returned (their pulls are the caller's to abort)."""
+        what came of those that returned (their pulls are the caller's to abort). A start
+        that returns later is not seen: its pull runs to its deadline and its lease lasts
+        until its ``lease_s``."""
         self._thread.shutdown(wait=False, cancel_futures=True)
         running = [future for _, _, future in self._starting.values() if not future.cancelled()]
         wait_futures(running, timeout=wait_s)

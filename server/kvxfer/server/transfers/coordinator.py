@@ -201,8 +201,8 @@ class TransferCoordinator:
 
     def abort(self, transfer_id: str, reason: str) -> Transfer:
         """End ``transfer_id`` on both sides (nothing happens if it already ended). An id not
-        registered here is NOT_FOUND, and remembered (``early_aborts``): registered within
-        ``KEEP_S``, it ends ABORTED at once."""
+        registered here is NOT_FOUND, and remembered (``early_aborts``): an expect or pull
+        registered under it within ``KEEP_S`` ends ABORTED at once."""
         check_text("reason", reason)
         t = self.registry.find(transfer_id)
         if t is None:
@@ -246,7 +246,7 @@ class TransferCoordinator:
                                    release_lease=lease.release_lease,
                                    peer_identity=peer_identity, capability=capability,
                                    prompt_digest=prompt_digest)
-        aborted = self._early_aborts.take(transfer_id)
+        aborted = self._early_aborts.take(transfer_id) if role == TransferRole.RECEIVER else None
         if aborted is not None:
             self.registry.finish(t, TransferAbortedError(
                 f"aborted here before it was registered: {aborted or 'no reason given'}"))

@@ -141,8 +141,8 @@ class WorkerSide:
         """Map the daemon's pool (dropping an earlier mapping first) and follow its endings
         from now: the loads of another memory epoch fail. Copies in flight from the old
         mapping finish first."""
-        self._loads.stop_following()
         self._landings.drain()
+        self._loads.stop_following()
         self._blocks.attach()
         for end in self._loads.follow(self._blocks.epoch):
             self._fail(end.pull.payload.load, end.why, end.reason)
@@ -288,7 +288,8 @@ class WorkerSide:
             else:
                 self._loads.wait(self._settings.idle_wait_s)
         start = time.perf_counter()
-        for landed in self._landings.collect():
+        landings = self._landings.collect()
+        for landed in landings:
             self._landed(landed)
         try:
             ends = self._loads.poll()
@@ -298,12 +299,17 @@ class WorkerSide:
             ends = []
         ends += self._loads.expire()
         for end in ends:
-            if end.ok:
-                self._land(end)
-            else:
+            if not end.ok:
                 self._fail(end.pull.payload.load, end.why, end.reason)
+                continue
+            try:
+                self._land(end)
+            except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
+                self._loads.release(end)
+                self._fail(end.pull.payload.load, f"copying it in failed: "
+                           f"{type(exc).__name__}: {exc}", "COPY_FAILED")
         finished, self._finished = self._finished, set()
-        if ends or self._plan.saves or self._plan.loads:
+        if ends or landings or self._plan.saves or self._plan.loads:
             seconds = self._step_s + time.perf_counter() - start
             self.interval.step(seconds)
             self._stats.record(role="step", rank=self._rank, seconds=seconds,
@@ -326,7 +332,14 @@ class WorkerSide:
         end.pull.payload.timeline.pulled = end.pull.returned_unix
         end.pull.payload.timeline.mark("ended")
         self._landings.submit((end, time.perf_counter() - end.pull.started),
-                              lambda: rows.copy_in(self._kv, pages, load.block_ids))
+                              lambda: self._copy_in(rows, pages, load.block_ids))
+
+    def _copy_in(self, rows: PagedBlocks, pages: list[int], block_ids: tuple[int, ...]) -> None:
+        """The landing thread's copy; on a GPU it returns once the device finished it (the
+        pages are released, and may be reused, when it returns)."""
+        rows.copy_in(self._kv, pages, block_ids)
+        if self._kv and self._kv[0].is_cuda:
+            torch.cuda.current_stream(self._kv[0].device).synchronize()
 
     def _landed(self, landed: Landed[tuple[PullEnd[Loading], float]]) -> None:
         """A copy-in finished: release the pages, report the load (failed if the copy was)."""
@@ -378,9 +391,18 @@ class WorkerSide:
     # -- both ------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Abort pending loads, finish the copies in flight, unmap the pool, close the channel."""
+        """Abort pending loads, finish the copies in flight and release their pages, unmap the
+        pool (not while a copy still reads it), close the channel."""
         self._loads.close("the engine shut down")
-        self._landings.close()
+        copies_done = True
+        try:
+            self._landings.close()
+        except TimeoutError as exc:
+            copies_done = False
+            log.error("kvxfer: %s; the pool stays mapped", exc)
+        for landed in self._landings.collect():
+            self._loads.release(landed.payload[0])
         self._endings.close()
-        self._blocks.detach()
+        if copies_done:
+            self._blocks.detach()
         self._client.close()
