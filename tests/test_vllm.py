@@ -200,7 +200,8 @@ def test_vllms_own_metrics_count_every_load_save_and_failure_by_reason(run) -> N
     assert total(prefill, "vllm:kvxfer_load_time_seconds_count") == 0
     for side, samples in (("decode", decode), ("prefill", prefill)):  # the connector's time per
         steps = run[f"{side}_steps"]  # step that carried a save or a load, as its records say
-        assert len(steps) > 0 and all(s["saves"] + s["loads"] + s["ended"] > 0 for s in steps)
+        assert len(steps) > 0 and all(s["saves"] + s["loads"] + s["ended"] + s["landed"] > 0
+                                      for s in steps)
         assert total(samples, "vllm:kvxfer_step_time_seconds_count") == len(steps)
         assert total(samples, "vllm:kvxfer_step_time_seconds_sum") == pytest.approx(
             sum(s["seconds"] for s in steps))

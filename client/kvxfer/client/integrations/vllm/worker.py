@@ -314,7 +314,7 @@ class WorkerSide:
             self.interval.step(seconds)
             self._stats.record(role="step", rank=self._rank, seconds=seconds,
                                saves=len(self._plan.saves), loads=len(self._plan.loads),
-                               ended=len(ends))
+                               ended=len(ends), landed=len(landings))
         self._step_s = 0.0
         return finished
 
