@@ -11,7 +11,7 @@ it through ``KvxferPromMetrics.observe``. The series, each with vLLM's ``engine`
 - ``vllm:kvxfer_save_time_seconds``: a save's copy-out and offer; ``vllm:kvxfer_save_bytes``,
   ``vllm:kvxfer_save_pages``;
 - ``vllm:kvxfer_step_time_seconds``: one observation per rank and model step that carried
-  a save or a load: the time the connector's worker calls took in it (not counting an idle
+  a save or a load, or reported a load copied in: the time the connector's worker calls took in it (not counting an idle
   step's wait for endings; the scheduler's calls are not in it);
 - ``vllm:kvxfer_failed_loads_total{reason}``: loads reported failed to vLLM (its load
   errors, recomputed or failed by ``kv_load_failure_policy``), by reason
