@@ -432,27 +432,35 @@ def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
             worker.shutdown()
 
 
-def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at_once(pair) -> None:
-    """TP 2: rank 1's load fails at its start; rank 0's pull from a frozen prefill daemon
-    would wait for its 20 s deadline, but rank 1 aborts it: both ranks report the request
-    failed within seconds, and no page stays leased."""
-    pre, dec = pair
+def split_load(pre: Any, dec: Any, req_id: str, seed: int) -> tuple[list[WorkerSide], Any]:
+    """The two decode workers (TP 2) of a 64-token load of ``req_id`` from the offer
+    ``P/<req_id>`` of daemon ``pre``, and the step plan that starts it; rank 1's start is
+    refused (TRANSFER_NOT_FOUND) without a call."""
     tp2 = dataclasses.replace(LAYOUT, tp_size=2)
-    params = RemotePrefill("P/frozen", pre.peer_address, ("0" * 32, "1" * 32), tp2.page, MODEL).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False, consumer=True,
-                          client=None)
+    params = RemotePrefill(f"P/{req_id}", pre.peer_address, ("0" * 32, "1" * 32), tp2.page,
+                           MODEL).to_params()
+    sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False,
+                          consumer=True, client=None)
     workers = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in range(2)]
     for rank, worker in enumerate(workers):
-        worker.register_kv_caches(kv_caches(30 + rank))
+        worker.register_kv_caches(kv_caches(seed + rank))
 
     def refused(request: Any) -> None:
         raise TransferNotFoundError(f"{request.transfer_id} is not offered (this test's rank 1)")
 
     workers[1]._loads._starts._start = refused  # type: ignore[method-assign]
-    request = Request("split", 64, params)
+    request = Request(req_id, 64, params)
     sched.get_num_new_matched_tokens(request, 0)
     sched.update_state_after_alloc(request, [8, 9], 64)
-    plan = sched.build_plan({}, lambda _: [])
+    return workers, sched.build_plan({}, lambda _: [])
+
+
+def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at_once(pair) -> None:
+    """TP 2: rank 1's load fails at its start; rank 0's pull from a frozen prefill daemon
+    would wait for its 20 s deadline, but rank 1 aborts it: both ranks report the request
+    failed within seconds, and no page stays leased."""
+    pre, dec = pair
+    workers, plan = split_load(pre, dec, "split", seed=30)
     os.kill(pre.pid, signal.SIGSTOP)
     try:
         for worker in workers:
@@ -464,7 +472,7 @@ def test_when_one_rank_fails_its_load_the_sibling_ranks_transfers_are_aborted_at
         assert workers[0].take_failed() == {"split"}
         with KvxferClient(dec.worker_address) as d:
             [info] = d.transfers()
-            assert info.transfer_id == "P/frozen/tp0" and info.state.name == "ABORTED"
+            assert info.transfer_id == "P/split/tp0" and info.state.name == "ABORTED"
             assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in info.error
             deadline = time.monotonic() + 5.0  # releases run off the step
             while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:

@@ -12,7 +12,6 @@ still ends that pull at once.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import threading
@@ -22,36 +21,37 @@ from typing import Any
 
 import pytest
 import torch
-from test_vllm_connector import (
-    LAYOUT,
-    MODEL,
-    POOL,
-    Engines,
-    Request,
-    engines_on,
-    kv_caches,
-    settings,
-    wait_finished,
-)
+from test_vllm_connector import POOL, Engines, Request, split_load, wait_finished
+from test_vllm_trust import engines_fixture  # noqa: F401 - the trust tests' ``engines``
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
 from kvxfer.client.engine_core.pull_starts import PullRequest
-from kvxfer.client.integrations.vllm.protocol import RemotePrefill
-from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
-from kvxfer.errors import TransferNotFoundError
 
 
 @pytest.fixture
-def engines(spawn):
-    pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
-    client = KvxferClient(pre.worker_address)
-    parts = engines_on(pre, dec, client)
-    yield parts
-    parts.work_p.shutdown()
-    parts.work_d.shutdown()
-    client.close()
+def held_copy(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Copies into blocks wait (up to 10 s each) for the second event, once they set the first."""
+    entered, proceed = threading.Event(), threading.Event()
+    copy_in = PagedBlocks.copy_in
+
+    def held(self: PagedBlocks, *args: Any) -> None:
+        entered.set()
+        proceed.wait(10.0)
+        copy_in(self, *args)
+
+    monkeypatch.setattr(PagedBlocks, "copy_in", held)
+    return entered, proceed
+
+
+def until_copy_held(h: Engines, entered: threading.Event) -> None:
+    """Step the decode worker until a copy-in is held, checking that no step reports a load."""
+    deadline = time.monotonic() + 10.0
+    while not entered.is_set():
+        assert time.monotonic() < deadline, "the load never landed"
+        assert h.work_d.get_finished() == set()
+        time.sleep(0.01)
 
 
 def gated(worker: WorkerSide, *, before: threading.Event | None = None,
@@ -103,27 +103,14 @@ def test_a_step_that_starts_a_load_returns_while_the_daemon_cannot_answer(engine
     assert landed(engines, [2, 3], [6, 7])
 
 
-def test_a_step_returns_while_a_landed_load_is_copied_into_its_blocks(engines,
-                                                                      monkeypatch) -> None:
+def test_a_step_returns_while_a_landed_load_is_copied_into_its_blocks(engines, held_copy) -> None:
     """The copy-in of a landed load waits (up to 10 s) for this test's signal: steps go on
     returning meanwhile, without the load; once the copy is let through, the load is
     reported, byte-exact, and its pages released."""
-    entered, proceed = threading.Event(), threading.Event()
-    copy_in = PagedBlocks.copy_in
-
-    def held(self: PagedBlocks, *args: Any) -> None:
-        entered.set()
-        proceed.wait(10.0)
-        copy_in(self, *args)
-
-    monkeypatch.setattr(PagedBlocks, "copy_in", held)
+    entered, proceed = held_copy
     dreq = load(engines, "held-copy", [1, 2], [11, 12])
     engines.work_d.start_load_kv()
-    deadline = time.monotonic() + 10.0
-    while not entered.is_set():
-        assert time.monotonic() < deadline, "the load never landed"
-        assert engines.work_d.get_finished() == set()
-        time.sleep(0.01)
+    until_copy_held(engines, entered)
     assert engines.work_d.get_finished() == set()  # returned while the copy is held
     assert not proceed.is_set()
     proceed.set()
@@ -137,27 +124,14 @@ def test_a_step_returns_while_a_landed_load_is_copied_into_its_blocks(engines,
         assert d.leased_pages() == {"kv": 0}
 
 
-def test_a_request_that_ends_while_its_load_is_copied_in_is_reported_once(engines,
-                                                                         monkeypatch) -> None:
+def test_a_request_that_ends_while_its_load_is_copied_in_is_reported_once(engines, held_copy) -> None:
     """The request ends while its landed load's copy-in is held: the copy finishes (vLLM
     keeps the blocks until the load is reported), the load is reported finished once, not
     failed, and its pages are released."""
-    entered, proceed = threading.Event(), threading.Event()
-    copy_in = PagedBlocks.copy_in
-
-    def held(self: PagedBlocks, *args: Any) -> None:
-        entered.set()
-        proceed.wait(10.0)
-        copy_in(self, *args)
-
-    monkeypatch.setattr(PagedBlocks, "copy_in", held)
+    entered, proceed = held_copy
     dreq = load(engines, "gone-copying", [3, 4], [13, 14])
     engines.work_d.start_load_kv()
-    deadline = time.monotonic() + 10.0
-    while not entered.is_set():
-        assert time.monotonic() < deadline, "the load never landed"
-        assert engines.work_d.get_finished() == set()
-        time.sleep(0.01)
+    until_copy_held(engines, entered)
     assert engines.sched_d.request_finished(dreq) is None  # the client went away
     engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
     engines.work_d.start_load_kv()
@@ -229,25 +203,9 @@ def test_an_abort_that_reaches_the_daemon_before_its_pull_ends_the_pull_at_once(
     registered, and both ranks report the request failed within seconds, not at the pull's
     20 s deadline (the prefill daemon is frozen, so nothing else would end it)."""
     pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
-    tp2 = dataclasses.replace(LAYOUT, tp_size=2)
-    params = RemotePrefill("P/never", pre.peer_address, ("0" * 32, "1" * 32), tp2.page,
-                           MODEL).to_params()
-    sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False,
-                          consumer=True, client=None)
-    workers = [WorkerSide(settings(dec.worker_address), tp2, "D", rank) for rank in range(2)]
-    for rank, worker in enumerate(workers):
-        worker.register_kv_caches(kv_caches(40 + rank))
-
-    def refused(request: PullRequest[Any]) -> None:
-        raise TransferNotFoundError(f"{request.transfer_id} is not offered (this test's rank 1)")
-
-    workers[1]._loads._starts._start = refused  # type: ignore[method-assign]
+    workers, plan = split_load(pre, dec, "split-early", seed=40)
     aborted = threading.Event()
     gated(workers[0], before=aborted)
-    request = Request("split-early", 64, params)
-    sched.get_num_new_matched_tokens(request, 0)
-    sched.update_state_after_alloc(request, [8, 9], 64)
-    plan = sched.build_plan({}, lambda _: [])
     os.kill(pre.pid, signal.SIGSTOP)
     try:
         for worker in workers:
@@ -263,7 +221,7 @@ def test_an_abort_that_reaches_the_daemon_before_its_pull_ends_the_pull_at_once(
             wait_finished(workers[0], "split-early", timeout_s=8.0)
             assert workers[0].take_failed() == {"split-early"}
             [info] = d.transfers()
-            assert info.transfer_id == "P/never/tp0" and info.state.name == "ABORTED"
+            assert info.transfer_id == "P/split-early/tp0" and info.state.name == "ABORTED"
             assert "before it was registered" in info.error
             deadline = time.monotonic() + 5.0  # releases run off the step
             while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:

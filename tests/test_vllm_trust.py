@@ -42,8 +42,8 @@ from kvxfer.status import LeaseUse
 from kvxfer.wire.codec import lease_use_to_proto
 
 
-@pytest.fixture
-def engines(spawn):
+@pytest.fixture(name="engines")
+def engines_fixture(spawn):
     pre, dec = spawn("prefill", [POOL]), spawn("decode", [POOL])
     client = KvxferClient(pre.worker_address)
     parts = engines_on(pre, dec, client)

@@ -132,8 +132,12 @@ class PageLoads(Generic[P]):
         the offer's first ``skip_pages`` (``poll`` tells how it went); TransferExistsError if
         it is still being pulled here."""
         self.check_free(transfer_id)
-        self._starts.submit(PullRequest(payload, transfer_id, peer, pool, pages, skip_pages,
-                                        capability, prompt_digest, epoch, lease_s, holder))
+        self._submit(PullRequest(payload, transfer_id, peer, pool, pages, skip_pages,
+                                 capability, prompt_digest, epoch, lease_s, holder))
+
+    def _submit(self, request: PullRequest[P]) -> None:
+        """Queue ``request``'s start, following endings from then on."""
+        self._starts.submit(request)
         if self._feed is None:
             self._feed = CompletionFeed(self._client, self._cursor)
 
@@ -229,9 +233,7 @@ class PageLoads(Generic[P]):
                 return [self._start_failed(start, f"re-mapping the pool failed: "
                                            f"{type(exc).__name__}: {exc}", failure_reason(exc))]
         request.epoch, request.retried = self._epoch, True
-        self._starts.submit(request)
-        if self._feed is None:
-            self._feed = CompletionFeed(self._client, self._cursor)
+        self._submit(request)
         return []
 
     @staticmethod

@@ -50,7 +50,8 @@ class PullRequest(Generic[P]):
 @dataclass(frozen=True)
 class Started(Generic[P]):
     """What came of one start: the new lease and the pull's status, or the call's error;
-    when it was submitted (``perf_counter``) and when the call returned (``time.time``)."""
+    when it was submitted (``perf_counter``) and when the call returned (``time.time``; for
+    a failed call, when its failure was collected)."""
 
     request: PullRequest[P]
     lease: LeaseInfo | None
@@ -60,7 +61,7 @@ class Started(Generic[P]):
     returned_unix: float
 
 
-_Call = tuple[LeaseInfo, TransferInfo]
+_Call = tuple[LeaseInfo, TransferInfo, float]  # the lease, the pull, when the call returned
 
 
 class PullStarts(Generic[P]):
@@ -72,8 +73,6 @@ class PullStarts(Generic[P]):
         self._timeout_s = timeout_s
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvxfer-pull-starts")
         self._starting: dict[str, tuple[PullRequest[P], float, Future[_Call]]] = {}
-        self._returned: dict[str, float] = {}  # transfer id -> when its call returned
-        self._lock = threading.Lock()
         self._done = threading.Event()
 
     def __contains__(self, transfer_id: str) -> bool:
@@ -91,15 +90,12 @@ class PullStarts(Generic[P]):
     def _start(self, request: PullRequest[P]) -> _Call:
         """The thread's only work: lease and pull in one call (waiting once, bounded, for a
         daemon that restarts)."""
-        try:
-            return self._reach.call(lambda: self._client.lease_and_pull(
-                request.transfer_id, request.peer, request.pool, request.pages,
-                timeout_s=self._timeout_s, lease_s=request.lease_s, holder=request.holder,
-                arena_epoch=request.epoch, capability=request.capability,
-                prompt_digest=request.prompt_digest, skip_pages=request.skip_pages))
-        finally:
-            with self._lock:
-                self._returned[request.transfer_id] = time.time()
+        lease, info = self._reach.call(lambda: self._client.lease_and_pull(
+            request.transfer_id, request.peer, request.pool, request.pages,
+            timeout_s=self._timeout_s, lease_s=request.lease_s, holder=request.holder,
+            arena_epoch=request.epoch, capability=request.capability,
+            prompt_digest=request.prompt_digest, skip_pages=request.skip_pages))
+        return lease, info, time.time()
 
     def cancel(self, which: Callable[[P], bool], why: str) -> list[P]:
         """Mark the starts whose payload ``which`` selects as cancelled (their request ended):
@@ -119,16 +115,14 @@ class PullStarts(Generic[P]):
             if not future.done():
                 continue
             del self._starting[transfer_id]
-            with self._lock:
-                returned = self._returned.pop(transfer_id, time.time())
             if future.cancelled():
                 continue  # never begun (``close``)
             error = future.exception()
             if error is not None:
                 started.append(Started(request, None, None, _as_exception(error), submitted,
-                                       returned))
+                                       time.time()))
             else:
-                lease, info = future.result()
+                lease, info, returned = future.result()
                 started.append(Started(request, lease, info, None, submitted, returned))
         return started
 
