@@ -10,10 +10,12 @@ One engine per block size (``kv_both``, each with its own daemon; every pool kee
 ordered pair of engines, a prompt is prefilled on the first and decoded on the second with
 the first's ``kv_transfer_params``; its answer must be the plain engine's, token for token
 and logprob for logprob, with the prompt's tokens taken from the transfer. ``--tp2`` adds
-an engine of two tensor-parallel ranks (block 32): pairs with it and a TP 1 engine must be
-refused (``layout``: ``tp_size`` differs), the prompt computed on the decode engine and the
-answer that engine's own plain one. Prints one line per pair and exits 1 if any pair did not do
-what the matrix says.
+an engine of two tensor-parallel ranks (block 32), and every pool then keeps pages of one
+KV head: TP 2 -> 1 must load every prompt token, with the plain engine's tokens and
+logprobs within ``MIXED_TP_LOGPROB`` of its (KV computed on two ranks differs from KV
+computed on one in the last bits); TP 1 -> 2 must be refused (``layout``), the prompt
+computed on the decode engine and the answer that engine's own plain one. Prints one line
+per pair and exits 1 if any pair did not do what the matrix says.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from kvxfer.client.spawn import LocalDaemon, dev_certs
 
 #: Tokens generated per answer; top logprobs compared per token.
 NEW_TOKENS, TOP = 8, 3
+#: How far a logprob of a TP 1 engine that loaded TP 2's KV may be from the plain one's.
+MIXED_TP_LOGPROB = 1e-2
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
 
 
@@ -58,9 +62,12 @@ def ask(engine: VllmServer, model: str, text: str, params: dict[str, Any] | None
         return answer
 
 
-def same(want: dict[str, Any], got: dict[str, Any]) -> bool:
+def distance(want: dict[str, Any], got: dict[str, Any]) -> float:
+    """How far two answers are: infinite for other tokens, else the largest logprob gap."""
     w, g = want["choices"][0]["logprobs"], got["choices"][0]["logprobs"]
-    return bool(w["tokens"] == g["tokens"] and w["token_logprobs"] == g["token_logprobs"])
+    if w["tokens"] != g["tokens"]:
+        return float("inf")
+    return max(abs(a - b) for a, b in zip(w["token_logprobs"], g["token_logprobs"], strict=True))
 
 
 def main() -> int:
@@ -83,15 +90,16 @@ def main() -> int:
         plain = VllmServer("plain", model, args.workdir)
         stack.callback(plain.stop)
         started = {"plain": plain.spawn()}
+        heads = {"page_heads": 1} if args.tp2 else {}
         for name, (block, tp) in engines.items():
             pool = model_pool_flag(model, "kv", block, 512, tp=tp, page_size=args.page,
-                                   block_format=engine_block_format(model, block))
+                                   block_format=engine_block_format(model, block), **heads)
             daemon = stack.enter_context(LocalDaemon(
                 f"{name}-daemon", [pool], workdir=str(args.workdir / name), tls=tls,
                 extra_args=["--dial-allow", "127.0.0.1/32"]))
             engine = VllmServer(name, model, args.workdir, block_size=block, tp=tp,
                                 kv_transfer=connector_config("kv_both", daemon.worker_address,
-                                                             page_size=args.page))
+                                                             page_size=args.page, **heads))
             stack.callback(engine.stop)
             started[name] = engine.spawn()
         running: dict[str, VllmServer] = {}
@@ -108,7 +116,8 @@ def main() -> int:
         plain = running.pop("plain")
         for n, (first, second) in enumerate(itertools.permutations(running, 2)):
             text = prompt(seed=500 + n, words=70 + 7 * n)
-            refused = engines[first][1] != engines[second][1]
+            refused = engines[first][1] < engines[second][1]
+            mixed = engines[first][1] > engines[second][1]
             # A refused prompt is computed by the decode engine itself: with another TP size
             # than the plain engine's its logprobs differ in the last bits, so it is compared
             # with its own plain answer.
@@ -125,11 +134,14 @@ def main() -> int:
                 failures += 1
                 continue
             tokens = got["usage"]["prompt_tokens"]
-            ok = same(want, got) and (loaded == 0 if refused else loaded == tokens)
+            gap = distance(want, got)
+            close = gap <= (MIXED_TP_LOGPROB if mixed else 0.0)
+            ok = close and (loaded == 0 if refused else loaded == tokens)
             failures += not ok
-            what = "refused (tp_size differs)" if refused else f"loaded {loaded:.0f} of {tokens}"
-            print(f"{first} -> {second}: {what}; answer {'=' if same(want, got) else '!='} "
-                  f"plain: {'ok' if ok else 'FAILED'}", flush=True)
+            what = ("refused (more decode ranks)" if refused
+                    else f"loaded {loaded:.0f} of {tokens}")
+            print(f"{first} -> {second}: {what}; answer {'=' if gap == 0 else '~' if close else '!='}"
+                  f" plain (largest logprob gap {gap:.3g}): {'ok' if ok else 'FAILED'}", flush=True)
     return 1 if failures else 0
 
 

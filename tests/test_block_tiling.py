@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_env import vllm_python
 
-from kvxfer.client.engine_core.block_tiling import BlockTiling
+from kvxfer.client.engine_core.block_tiling import BlockTiling, Places
 from kvxfer.client.engine_core.page_segments import layer_spans, page_segments
 from kvxfer.client.engine_core.paged_blocks import PageRows
 from kvxfer.errors import IncompatibleLayoutError
@@ -79,8 +79,12 @@ def test_tokens_cross_between_engines_of_other_block_sizes_through_pages(
         dst_bytes, dst_views = one_layer_blocks(spec, sizes[1], 48)
         src_ids = list(range(47, 47 - -(-tokens // sizes[0]), -1))  # any order
         dst_ids = list(range(-(-tokens // sizes[1])))
-        BlockTiling(layout, sizes[0]).copy_out(raw, layer, src_bytes, src_ids, pages)
-        BlockTiling(layout, sizes[1]).copy_in(raw, layer, dst_bytes, pages, dst_ids)
+        src = BlockTiling(layout, sizes[0])
+        dst = BlockTiling(layout, sizes[1])
+        src.copy_out(raw, layer, src_bytes, Places.of(src_ids, src.per_block, 0, len(pages)),
+                     pages)
+        dst.copy_in(raw, layer, dst_bytes, pages,
+                    Places.of(dst_ids, dst.per_block, 0, len(pages)))
         want = token_values(src_views, src_ids, tokens)
         got = token_values(dst_views, dst_ids, tokens)
         assert all(torch.equal(as_bytes(w), as_bytes(g))
@@ -101,7 +105,8 @@ def test_a_block_of_one_page_is_the_page_byte_for_byte() -> None:
     by_span, by_tiling = (torch.zeros(spec.total_bytes, dtype=torch.uint8) for _ in range(2))
     spans = layer_spans(layout)
     PageRows(by_span, layout).copy_out(spans[1], blocks, [4, 0, 2], [7, 1, 3])
-    BlockTiling(layout, 4).copy_out(by_tiling, 1, blocks, [4, 0, 2], [7, 1, 3])
+    BlockTiling(layout, 4).copy_out(by_tiling, 1, blocks, Places.of([4, 0, 2], 1, 0, 3),
+                                    [7, 1, 3])
     assert torch.equal(by_span, by_tiling) and by_span.any()
 
 
@@ -122,10 +127,13 @@ def test_blocks_that_do_not_split_into_pages_or_pools_without_slots_are_refused(
     mamba = MambaSpec(1, ((4, 2),), "float16", (2, 2), "float32", 4)
     with pytest.raises(IncompatibleLayoutError, match="mamba pool's pages are not token slots"):
         BlockTiling(PoolLayout(mamba, 0), 2)
-    with pytest.raises(IncompatibleLayoutError, match="5 pages do not fit 2 blocks of 2 pages"):
+    with pytest.raises(IncompatibleLayoutError, match="5 pages for 4 places"):
         BlockTiling(PoolLayout(spec, 0), 8).copy_out(
             torch.zeros(spec.total_bytes, dtype=torch.uint8), 0,
-            torch.zeros(4, 2 * 8 * 4 * 2, dtype=torch.uint8), [0, 1], [0, 1, 2, 3, 0])
+            torch.zeros(4, 2 * 8 * 4 * 2, dtype=torch.uint8), Places.of([0, 1], 2, 0, 4),
+            [0, 1, 2, 3, 0])
+    with pytest.raises(IncompatibleLayoutError, match="blocks of 3 KV heads do not split"):
+        BlockTiling(PoolLayout(dataclasses.replace(spec, head_num=2), 0), 4, block_heads=3)
 
 
 def test_the_head_major_views_read_what_vllms_cpu_attention_writes() -> None:

@@ -139,5 +139,5 @@ def test_blocks_kvxfer_cannot_describe_move_whole_through_opaque_pages(spawn) ->
     assert moved == {"equal": dict.fromkeys(kv_caches(LAYOUT, 0), True),
                      "sent_pages": 2, "pulled_pages": 2}
     with pytest.raises(InvalidSpecError, match="in-block format 'LBHNC/cpu-amx' does not say "
-                                               "where each slot sits"):
+                                               "where each slot and head sits"):
         dataclasses.replace(amx, block_size=64, page_size=32)

@@ -168,7 +168,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         assert params is not None and params["do_remote_prefill"] is True
         remote = parse_remote_prefill(params, LAYOUT, MODEL)
         assert isinstance(remote, RemotePrefill) and remote.peer == pre.peer_address
-        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 3
+        assert "num_tokens" not in params["kvxfer"] and params["kvxfer"]["version"] == 4
 
         # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
         dreq = Request("d1", 70, params)
@@ -390,7 +390,7 @@ def test_an_unknown_connector_setting_is_refused() -> None:
 def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
     """TP 2: one lease and one transfer per rank; each rank's blocks land in the same rank."""
     pre, dec = pair
-    tp2 = dataclasses.replace(LAYOUT, tp_size=2)
+    tp2 = dataclasses.replace(LAYOUT, tp_size=2, model_kv_heads=4)
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         sched_p = SchedulerSide(settings(pre.worker_address), tp2, MODEL, "P", producer=True,
                                 consumer=False, client=p)
@@ -436,7 +436,7 @@ def split_load(pre: Any, dec: Any, req_id: str, seed: int) -> tuple[list[WorkerS
     """The two decode workers (TP 2) of a 64-token load of ``req_id`` from the offer
     ``P/<req_id>`` of daemon ``pre``, and the step plan that starts it; rank 1's start is
     refused (TRANSFER_NOT_FOUND) without a call."""
-    tp2 = dataclasses.replace(LAYOUT, tp_size=2)
+    tp2 = dataclasses.replace(LAYOUT, tp_size=2, model_kv_heads=4)
     params = RemotePrefill(f"P/{req_id}", pre.peer_address, ("0" * 32, "1" * 32), tp2.page,
                            MODEL).to_params()
     sched = SchedulerSide(settings(dec.worker_address), tp2, MODEL, "D", producer=False,

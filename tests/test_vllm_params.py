@@ -1,8 +1,8 @@
-"""``kv_transfer_params`` v3 against an oracle: 10,000 generated params, valid and malformed,
+"""``kv_transfer_params`` v4 against an oracle: 10,000 generated params, valid and malformed,
 through both connector halves' entry points (the scheduler half of a decode engine and of a
 prefill engine), each predicted to load or be refused for a stated reason.
 
-The generator builds each case from a valid v3 params object and one labelled mutation, so
+The generator builds each case from a valid v4 params object and one labelled mutation, so
 the oracle is the label, not a second parser. Per case the decode half must load exactly
 the valid ones (the engine's own prompt length, never a number from params) and refuse the
 rest with the predicted reason; over the run its ``refusals`` counters must equal the
@@ -24,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_vllm_connector import LAYOUT, MODEL, Request
 
+from kvxfer.client.engine_core.head_split import HeadSplit
 from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.protocol import (
     PARAMS_VERSION,
@@ -32,13 +33,14 @@ from kvxfer.client.integrations.vllm.protocol import (
 )
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.settings import load_settings
+from kvxfer.errors import InvalidSpecError
 
 #: How many generated params the run drives (the issue's floor).
 CASES = 10_000
 #: The reasons the decode half refuses params for (``protocol.RefusalReason``).
 REFUSALS = ("malformed", "version", "layout", "model", "unsupported")
 
-LAYOUT_INTS = ("page_size", "num_layers", "num_kv_heads", "head_size", "tp_size")
+LAYOUT_INTS = ("page_size", "num_layers", "page_heads", "model_kv_heads", "head_size", "tp_size")
 LAYOUT_TEXTS = ("dtype", "block_format")
 MODEL_KEYS = ("fingerprint", "name", "vllm_version")
 TOP_KEYS = ("version", "transfer_id", "peer", "capabilities", "layout", "model")
@@ -173,6 +175,12 @@ def cases(draw: st.DrawFn) -> tuple[Any, str]:
     name = draw(st.sampled_from(LAYOUT_INTS + LAYOUT_TEXTS))
     if name in LAYOUT_INTS:
         layout[name] = draw(st.integers(1, 1 << 16).filter(lambda v: v != layout[name]))
+        if name == "tp_size":  # beyond 1 << 10, or one capability for several ranks
+            return params, "malformed"
+        try:
+            HeadSplit(layout["model_kv_heads"], layout["tp_size"], layout["page_heads"])
+        except InvalidSpecError:
+            return params, "malformed"
     else:
         layout[name] = draw(st.text(max_size=12).filter(lambda v: v != layout[name]))
     return params, "layout"
@@ -209,8 +217,8 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
             [load] = decode.build_plan({}, lambda _: []).loads
             assert load.num_pages == len(blocks) and load.transfer_id == params["kvxfer"]["transfer_id"]
             assert load.capabilities == tuple(params["kvxfer"]["capabilities"])
-            assert load.prompt_digest == prompt_digest(request, engine_binding(LAYOUT.as_dict(),
-                                                                                MODEL.fingerprint))
+            assert load.prompt_digest == prompt_digest(request, engine_binding(
+                LAYOUT.page.bytes_dict(), MODEL.fingerprint))
             assert decode.request_finished(request) is None
         else:
             assert got == (0, False), (params, outcome, got)
@@ -254,11 +262,11 @@ def test_the_prompt_digest_changes_with_everything_the_kv_depends_on(tokens: lis
     image = SimpleNamespace(identifier="img-hash", mm_position=SimpleNamespace(offset=3))
     changed = {"token": {"prompt_token_ids": [*tokens, 7]}, "salt": {"cache_salt": (salt or "") + "x"},
                "lora": {"lora_request": lora}, "mm": {"mm_features": [image]}, "engine": {}}[other]
-    engine = engine_binding(LAYOUT.as_dict(), MODEL.fingerprint)
+    engine = engine_binding(LAYOUT.page.bytes_dict(), MODEL.fingerprint)
     assert prompt_digest(request(), engine) == prompt_digest(request(), engine)
     if other == "engine":  # another model computing the same prompt
         assert prompt_digest(request(), engine) != prompt_digest(request(), engine_binding(
-            LAYOUT.as_dict(), "f" * 32))
+            LAYOUT.page.bytes_dict(), "f" * 32))
     else:
         assert prompt_digest(request(), engine) != prompt_digest(request(**changed), engine)
     assert prompt_digest(request(prompt_embeds=object())) is None

@@ -25,7 +25,7 @@ NOISE = st.text(alphabet="ab]['\"\\{}(),: ", max_size=12)
 
 def params(capabilities: Any, transfer_id: str = "prefill-0/cmpl-1") -> dict[str, Any]:
     return {"do_remote_prefill": True,
-            "kvxfer": {"version": 3, "transfer_id": transfer_id, "peer": "127.0.0.1:5701",
+            "kvxfer": {"version": 4, "transfer_id": transfer_id, "peer": "127.0.0.1:5701",
                        "capabilities": capabilities, "layout": {"page_size": 32}}}
 
 

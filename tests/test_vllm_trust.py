@@ -120,7 +120,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
     if not lost:
         monkeypatch.setattr(PageLoads, "_lost", lambda self, epoch: [])
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 3, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+              "kvxfer": {"version": 4, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("orphan", 64, params)
@@ -157,7 +157,7 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
     monkeypatch.setattr(PullStarts, "wait", lambda self, timeout_s: waits.append(timeout_s)
                         or wait_start(self, timeout_s))
     params = {"do_remote_prefill": True, "do_remote_decode": False,
-              "kvxfer": {"version": 3, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
+              "kvxfer": {"version": 4, "transfer_id": "P/frozen", "peer": engines.pre.peer_address,
                          "capabilities": ["0" * 32], "layout": LAYOUT.as_dict(),
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("waiting", 64, params)

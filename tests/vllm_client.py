@@ -13,11 +13,14 @@ NEW_TOKENS = 12
 
 
 def ask(http: Any, model: str, text: str, request_id: str, hints: dict[str, Any] | None = None,
-        stream: bool = False, top: int = 1) -> dict[str, Any]:
+        stream: bool = False, top: int = 1, salt: str | None = None) -> dict[str, Any]:
     """One completion: its text, tokens, their logprobs and (``top`` > 1) the top-``top``
-    logprobs of each step; RuntimeError with the body on an HTTP error."""
+    logprobs of each step; RuntimeError with the body on an HTTP error. ``salt``: a
+    ``cache_salt`` (the prompt neither hits nor fills the prefix cache of other requests)."""
     body: dict[str, Any] = {"model": model, "prompt": text, "max_tokens": NEW_TOKENS,
                             "temperature": 0, "logprobs": top, "stream": stream}
+    if salt is not None:
+        body["cache_salt"] = salt
     if hints:
         body["kv_transfer_params"] = hints
     headers = {"X-Request-Id": request_id}

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import vllm_block_phase
+import vllm_tp_phase
 import vllm_trust_phase
 from vllm_client import ask, ask_all, counters, metric
 
@@ -121,7 +122,7 @@ def main() -> None:
         ports = (free(), free(), free()) if args.controls else None
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
-                            more_engines=("wide",) if args.controls else (),
+                            more_engines=("wide",) if args.controls else ("narrow",),
                             daemon_args=["--dial-allow", "127.0.0.1/32"],
                             engine_args=["--enable-log-requests"] if args.controls else [],
                             failure_policy=args.failure_policy,
@@ -167,6 +168,8 @@ def main() -> None:
             out["shared_prefix"] = shared_prefix_phase(d, model)
             if args.failure_policy == "fail":
                 out["fail_policy"] = vllm_trust_phase.fail_policy_case(d, model)
+            if args.tp == 2:
+                out["mixed_tp"] = vllm_tp_phase.run(d, model)
             if args.controls:
                 out["blocks"] = vllm_block_phase.run(d, model)
                 sample = json.loads(Path(args.params_sample).read_text()) if args.params_sample else []

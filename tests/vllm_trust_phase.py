@@ -48,11 +48,11 @@ def malformed(layout: dict[str, Any], model: dict[str, Any]) -> list[dict[str, A
     """Params the decode engine must refuse (and compute the prompt itself)."""
     return [
         {"do_remote_prefill": True, "kvxfer": "x" * 64},
-        {"do_remote_prefill": True, "kvxfer": {"version": 3, "transfer_id": "x",
+        {"do_remote_prefill": True, "kvxfer": {"version": 4, "transfer_id": "x",
                                                "peer": "127.0.0.1:1", "capabilities": ["0" * 32],
                                                "num_tokens": 100_000, "layout": layout,
                                                "model": model}},
-        {"do_remote_prefill": "yes", "kvxfer": {"version": 3}},
+        {"do_remote_prefill": "yes", "kvxfer": {"version": 4}},
     ]
 
 

@@ -71,29 +71,29 @@ def _unguard_tiling() -> None:
 
     init = BlockTiling.__init__
 
-    def keeping_layout(self: BlockTiling, layout: PoolLayout, block_size: int) -> None:
-        init(self, layout, block_size)
+    def keeping_layout(self: BlockTiling, layout: PoolLayout, block_size: int,
+                       block_heads: Any = None) -> None:
+        init(self, layout, block_size, block_heads)
         self.seen_layout = layout  # type: ignore[attr-defined]
 
-    def runs(self: BlockTiling, raw: torch.Tensor, layer: int, pages: Any,
-             block_ids: Any) -> Any:
+    def runs(self: BlockTiling, raw: torch.Tensor, layer: int, pages: Any, places: Any) -> Any:
         """Each page's span of ``layer``, and the byte run of its block it is taken for."""
         layout = self.seen_layout  # type: ignore[attr-defined]
         offset, nbytes = layer_spans(layout)[layer]
         rows = raw[layout.anchor_bytes:layout.anchor_bytes + layout.num_pages * layout.page_bytes]
         rows = rows.view(layout.num_pages, layout.page_bytes)
         for k, page in enumerate(pages):
-            at = (k % self.per_block) * nbytes
-            yield rows[page, offset:offset + nbytes], block_ids[k // self.per_block], at, nbytes
+            at = (places.parts[k] * self.groups + places.groups[k]) * nbytes
+            yield rows[page, offset:offset + nbytes], places.blocks[k], at, nbytes
 
     def runs_in(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
-                pages: Any, block_ids: Any) -> None:
-        for page, block, at, nbytes in runs(self, raw, layer, pages, block_ids):
+                pages: Any, places: Any) -> None:
+        for page, block, at, nbytes in runs(self, raw, layer, pages, places):
             blocks[block, at:at + nbytes] = page
 
     def runs_out(self: BlockTiling, raw: torch.Tensor, layer: int, blocks: torch.Tensor,
-                 block_ids: Any, pages: Any) -> None:
-        for page, block, at, nbytes in runs(self, raw, layer, pages, block_ids):
+                 places: Any, pages: Any) -> None:
+        for page, block, at, nbytes in runs(self, raw, layer, pages, places):
             page.copy_(blocks[block, at:at + nbytes])
 
     BlockTiling.__init__ = keeping_layout  # type: ignore[method-assign]

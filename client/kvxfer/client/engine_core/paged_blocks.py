@@ -10,8 +10,9 @@ default); a Mamba engine's states would be one span per segment (``page_segments
 mean the same on both sides is the adapter's to check (vLLM's ``BlockLayout``).
 
 An engine whose blocks are several pages long (``block_size`` a multiple of the pool's
-``page_size``) moves them through the pool's views instead (``block_tiling``): page ``k`` of
-a request is then part ``k % n`` of its block ``k // n``.
+``page_size``), or hold several pages' KV heads (``block_heads``, a multiple of a page's),
+moves them through the pool's views instead (``block_tiling``): ``Places`` says which part
+and head group of which block each page holds.
 
 ``PagedBlocks`` maps a daemon's pool for that, with a memory epoch (the daemon's when it
 was mapped): ``attach`` maps it again, dropping the old mapping first, after a restart.
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvxfer.client.engine_core.block_tiling import BlockTiling
+from kvxfer.client.engine_core.block_tiling import BlockTiling, Places
 from kvxfer.client.engine_core.page_segments import layer_spans
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import AttachedPool, KvxferClient
@@ -65,12 +66,13 @@ class PagedBlocks:
     default, ``layer_spans``; an engine with Mamba state would name one per segment) hold
     an engine's block tensors, one tensor per span (``check`` refuses a pool that does not
     hold them). With ``block_size`` above the pool's page size, each block is several
-    pages and a span is a layer (``block_tiling``)."""
+    pages and a span is a layer (``block_tiling``); so with ``block_heads`` (an engine block's
+    KV heads) above a page's."""
 
     def __init__(self, client: KvxferClient, reach: Reconnecting, pool: str, *,
                  check: Callable[[PoolDescriptor], None],
                  spans: Callable[[PoolLayout], Sequence[Span]] = layer_spans,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, block_heads: int | None = None) -> None:
         self._client = client
         self._reach = reach
         self.pool = pool
@@ -80,6 +82,7 @@ class PagedBlocks:
         self._rows: PageRows | None = None
         self._spans: tuple[Span, ...] = ()
         self._block_size = block_size
+        self._block_heads = block_heads
         self._tiling: BlockTiling | None = None
         #: The memory epoch of the mapping ("" when not mapped).
         self.epoch = ""
@@ -103,9 +106,10 @@ class PagedBlocks:
         try:
             self._check(mapped.descriptor)
             spans = tuple(self._spans_of(layout))
-            block_size = self._block_size
-            tiling = (BlockTiling(layout, block_size)
-                      if block_size is not None and block_size != layout.spec.page_size else None)
+            size, heads = self._block_size, self._block_heads
+            tiled = ((size is not None and size != layout.spec.page_size)
+                     or (heads is not None and heads != getattr(layout.spec, "head_num", heads)))
+            tiling = BlockTiling(layout, size or layout.spec.page_size, heads) if tiled else None
         except IncompatibleLayoutError:
             mapped.detach()
             raise
@@ -128,25 +132,36 @@ class PagedBlocks:
                                   "mapping it again failed")
         return self._rows
 
-    def copy_out(self, span: int, blocks: torch.Tensor, block_ids: Sequence[int],
+    @property
+    def per_block(self) -> int:
+        """Token pages per engine block (1 until mapped)."""
+        return 1 if self._tiling is None else self._tiling.per_block
+
+    def copy_out(self, span: int, blocks: torch.Tensor, places: Places,
                  pages: Sequence[int]) -> None:
-        """Blocks ``block_ids`` of ``blocks`` (``[num_blocks, bytes]``: the tensor of span
-        number ``span``) into that span of ``pages``, block ``i`` into page ``i`` (or, of
-        blocks of several pages, into pages ``i * n`` on)."""
+        """From ``blocks`` (``[num_blocks, bytes]``: the tensor of span number ``span``) into
+        that span of ``pages``, page ``i`` from where ``places`` says."""
         rows = self._mapped_rows()
         if self._tiling is not None:
-            self._tiling.copy_out(rows.raw, span, blocks, block_ids, pages)
+            self._tiling.copy_out(rows.raw, span, blocks, places, pages)
         else:
-            rows.copy_out(self._spans[span], blocks, block_ids, pages)
+            _check_plain(places)
+            rows.copy_out(self._spans[span], blocks, places.blocks, pages)
 
     def copy_in(self, tensors: Sequence[torch.Tensor], pages: Sequence[int],
-                block_ids: Sequence[int]) -> None:
-        """Every span of ``pages`` into blocks ``block_ids`` of its tensor (one
-        ``[num_blocks, bytes]`` tensor per span, in order), page ``i`` into block ``i`` (or,
-        of blocks of several pages, pages ``i * n`` on into block ``i``)."""
+                places: Places) -> None:
+        """Every span of ``pages`` into its tensor (one ``[num_blocks, bytes]`` tensor per
+        span, in order), page ``i`` where ``places`` says."""
         rows = self._mapped_rows()
         for number, (span, blocks) in enumerate(zip(self._spans, tensors, strict=True)):
             if self._tiling is not None:
-                self._tiling.copy_in(rows.raw, number, blocks, pages, block_ids)
+                self._tiling.copy_in(rows.raw, number, blocks, pages, places)
             else:
-                rows.copy_in(span, blocks, pages, block_ids)
+                _check_plain(places)
+                rows.copy_in(span, blocks, pages, places.blocks)
+
+
+def _check_plain(places: Places) -> None:
+    if not places.plain():
+        raise IncompatibleLayoutError("a page was placed in part of a block, but the engine's "
+                                      "blocks are whole pages")

@@ -100,9 +100,9 @@ def block_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None)
 
 
 def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                 page_size: int | None = None) -> BlockLayout:
-    """This engine's block layout, from its config, in pages of ``page_size`` tokens (None:
-    a block; see ``layout.BlockLayout``)."""
+                 page_size: int | None = None, page_heads: int | None = None) -> BlockLayout:
+    """This engine's block layout, from its config, in pages of ``page_size`` tokens and
+    ``page_heads`` KV heads (None: a block's; see ``layout.BlockLayout``)."""
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
@@ -111,7 +111,8 @@ def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
         dtype=str(dtype).removeprefix("torch."), block_size=int(cache.block_size),
         num_layers=model.get_num_layers(parallel), num_kv_heads=model.get_num_kv_heads(parallel),
         head_size=model.get_head_size(), tp_size=parallel.tensor_parallel_size,
-        block_format=block_format(vllm_config, kv_cache_config), page_size=page_size or 0)
+        block_format=block_format(vllm_config, kv_cache_config), page_size=page_size or 0,
+        model_kv_heads=model.get_total_num_kv_heads(), page_heads=page_heads or 0)
 
 
 def model_identity(vllm_config: VllmConfig) -> ModelIdentity:
@@ -150,7 +151,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         settings = load_settings(dict(transfer.kv_connector_extra_config))
-        layout = block_layout(vllm_config, kv_cache_config, settings.page_size)
+        layout = block_layout(vllm_config, kv_cache_config, settings.page_size,
+                              settings.page_heads)
         engine_id = str(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -301,25 +301,29 @@ class Disaggregation:
         wait_healthy(self.front_address, self._proxy, "the proxy", workdir / "proxy.log", 60.0)
 
     def add_engine(self, name: str, *, block_size: int, page_size: int,
-                   role: str = "kv_both") -> tuple[LocalDaemon, VllmServer]:
+                   role: str = "kv_both", tp: int | None = None,
+                   page_heads: int = 0) -> tuple[LocalDaemon, VllmServer]:
         """Start one more engine (one of ``more_engines``) beside the pair, with a daemon of
         its own that talks to theirs: blocks of ``block_size`` tokens through pages of
-        ``page_size`` (the pair's daemons must use that page size too). Both are stopped
-        with the rest. Not put behind the front: requests go to it directly."""
+        ``page_size`` tokens and ``page_heads`` KV heads (0: a rank's; the pair's daemons
+        must use those pages too), on ``tp`` ranks (None: the pair's). Both are stopped with
+        the rest. Not put behind the front: requests go to it directly."""
         if name not in self.more_engines or self._tls is None:
             raise ValueError(f"engine {name!r} is not one of more_engines {self.more_engines} "
                              "of a started deployment")
-        pool = model_pool_flag(self.model, "kv", block_size, self.num_pages, tp=self.tp,
-                               page_size=page_size,
+        tp = tp or self.tp
+        pool = model_pool_flag(self.model, "kv", block_size, self.num_pages, tp=tp,
+                               page_size=page_size, page_heads=page_heads,
                                block_format=engine_block_format(self.model, block_size))
         daemon = self._stack.enter_context(LocalDaemon(
             f"{name}-daemon", [pool], workdir=str(self.workdir / name), metrics=True,
             tls=self._tls, extra_args=self.daemon_args))
-        engine = VllmServer(name, self.model, self.workdir, tp=self.tp, block_size=block_size,
+        heads = {"page_heads": page_heads} if page_heads else {}
+        engine = VllmServer(name, self.model, self.workdir, tp=tp, block_size=block_size,
                             max_model_len=self.max_model_len, extra_args=self.engine_args,
                             env=self.engine_env,
                             kv_transfer=connector_config(
-                                role, daemon.worker_address, page_size=page_size,
+                                role, daemon.worker_address, page_size=page_size, **heads,
                                 stats_file=str(self.workdir / f"{name}-stats.jsonl")))
         self._stack.callback(engine.stop)
         engine.spawn().wait_ready()

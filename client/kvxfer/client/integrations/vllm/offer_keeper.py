@@ -68,6 +68,12 @@ class OfferKeeper:
                 self._to_drop.append((wanted[0], wanted[1], f"decode request {req_id}: {reason}"))
                 self._changed.notify()
 
+    def drop_now(self, peer: str, holds: Sequence[OfferHold], reason: str) -> None:
+        """Drop ``holds`` at ``peer`` now (offers nobody here will pull)."""
+        with self._changed:
+            self._to_drop.append((peer, tuple(holds), reason))
+            self._changed.notify()
+
     def wanted(self) -> int:
         """How many requests' offers are being kept."""
         with self._changed:

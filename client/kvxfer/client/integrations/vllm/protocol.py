@@ -1,14 +1,15 @@
 """What the connector's halves tell each other, and what a prefill engine tells a decode engine.
 
 Between engines, through the proxy or router, ``kv_transfer_params`` follows vLLM's
-NixlConnector convention, in kvxfer's params **v3** (``docs/trust.md``): the router
+NixlConnector convention, in kvxfer's params **v4** (``docs/trust.md``): the router
 sends ``{"do_remote_decode": true}`` to the prefill engine (optionally
 ``"verify": true``); the prefill response carries ``{"do_remote_prefill": true,
-"do_remote_decode": false, "kvxfer": {"version": 3, ...}}`` (``KvxferParamsV3``:
+"do_remote_decode": false, "kvxfer": {"version": 4, ...}}`` (``KvxferParamsV4``:
 which daemon, which transfer, the page layout of the bytes, the model's identity),
 which the router passes unchanged to the decode engine. Compatibility is decided by
 bytes and model: the layouts must agree field by field and the model fingerprints
-must be equal; the model's name and the vLLM version travel only to be logged.
+must be equal; the model's name and the vLLM version travel only to be logged. The
+engines' tensor-parallel sizes may differ (``engine_core.head_split``).
 Params are client input: ``parse_remote_prefill`` validates them strictly into typed
 records or a ``Refusal`` naming the reason, never raises, and nothing in them says how
 many tokens to load (the decode engine counts its own prompt).
@@ -22,19 +23,23 @@ request ended.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from kvxfer.client.engine_core.head_split import unsplittable
 from kvxfer.client.integrations.vllm.layout import BlockLayout, PageLayout
 from kvxfer.client.integrations.vllm.model_identity import FINGERPRINT_CHARS, ModelIdentity
+from kvxfer.errors import InvalidSpecError
 from kvxfer.status import OfferHold
 
 #: The version of ``kv_transfer_params["kvxfer"]`` this connector writes and reads (v1
 #: compared model paths and vLLM versions; v2 compared the bytes and the model's
-#: fingerprint, block by block; v3 compares pages, so engines of other block sizes load).
-PARAMS_VERSION: Final = 3
+#: fingerprint, block by block; v3 compared pages, so engines of other block sizes load; v4
+#: pages of a number of the model's KV heads, so engines of other TP sizes load).
+PARAMS_VERSION: Final = 4
 #: A transfer id: printable ASCII without spaces (what the daemon's limits accept).
 TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
 #: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
@@ -52,19 +57,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class LayoutV3(_Strict):
+class LayoutV4(_Strict):
     """``PageLayout`` as params carry it: every field, exact types."""
 
     dtype: str = Field(max_length=64)
     page_size: int = Field(gt=0, le=1 << 20)
     num_layers: int = Field(gt=0, le=1 << 16)
-    num_kv_heads: int = Field(gt=0, le=1 << 16)
+    page_heads: int = Field(gt=0, le=1 << 16)
+    model_kv_heads: int = Field(gt=0, le=1 << 16)
     head_size: int = Field(gt=0, le=1 << 16)
-    tp_size: int = Field(gt=0, le=1 << 16)
+    tp_size: int = Field(gt=0, le=1 << 10)
     block_format: str = Field(max_length=256)
 
 
-class ModelV3(_Strict):
+class ModelV4(_Strict):
     """``ModelIdentity`` as params carry it."""
 
     fingerprint: str = Field(pattern=rf"^[0-9a-f]{{{FINGERPRINT_CHARS}}}$")
@@ -72,16 +78,16 @@ class ModelV3(_Strict):
     vllm_version: str = Field(max_length=256)
 
 
-class KvxferParamsV3(_Strict):
-    """``kv_transfer_params["kvxfer"]``, version 3."""
+class KvxferParamsV4(_Strict):
+    """``kv_transfer_params["kvxfer"]``, version 4."""
 
-    version: Literal[3]
+    version: Literal[4]
     transfer_id: str = Field(pattern=TRANSFER_ID_PATTERN)
     peer: str = Field(pattern=PEER_PATTERN)
     capabilities: list[Annotated[str, Field(pattern=CAPABILITY_PATTERN)]] = Field(
         min_length=1, max_length=1 << 16, repr=False)
-    layout: LayoutV3
-    model: ModelV3
+    layout: LayoutV4
+    model: ModelV4
 
 
 @dataclass(frozen=True)
@@ -95,17 +101,18 @@ class RemotePrefill:
     layout: PageLayout
     model: ModelIdentity
 
-    def holds(self) -> list[OfferHold]:
-        """Its offers, one per prefill rank, with their capabilities (to keep or drop them)."""
+    def holds(self, ranks: Collection[int] | None = None) -> list[OfferHold]:
+        """Its offers, one per prefill rank (of ``ranks``; None: all), with their
+        capabilities (to keep or drop them)."""
         return [OfferHold(rank_transfer(self.transfer_id, rank, len(self.capabilities)), cap)
-                for rank, cap in enumerate(self.capabilities)]
+                for rank, cap in enumerate(self.capabilities) if ranks is None or rank in ranks]
 
     def to_params(self) -> dict[str, Any]:
         """The prefill response's ``kv_transfer_params``."""
-        ours = KvxferParamsV3(version=PARAMS_VERSION, transfer_id=self.transfer_id,
+        ours = KvxferParamsV4(version=PARAMS_VERSION, transfer_id=self.transfer_id,
                               peer=self.peer, capabilities=list(self.capabilities),
-                              layout=LayoutV3(**self.layout.as_dict()),
-                              model=ModelV3(**dataclasses.asdict(self.model)))
+                              layout=LayoutV4(**self.layout.as_dict()),
+                              model=ModelV4(**dataclasses.asdict(self.model)))
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "kvxfer": ours.model_dump()}
 
@@ -141,12 +148,16 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
         return Refusal("version", f"params version {_short(version)}; this connector reads "
                                   f"version {PARAMS_VERSION}")
     try:
-        parsed = KvxferParamsV3.model_validate(raw)
+        parsed = KvxferParamsV4.model_validate(raw)
     except ValidationError as exc:
         error = exc.errors()[0]
         where = ".".join(str(part) for part in error["loc"]) or "kvxfer"
         return Refusal("malformed", f"kvxfer.{where}: {error['msg']}")
-    theirs = PageLayout(**parsed.layout.model_dump())
+    try:
+        theirs = PageLayout(**parsed.layout.model_dump())
+        theirs.split  # noqa: B018 - validates how their heads split over their ranks
+    except InvalidSpecError as exc:
+        return Refusal("malformed", f"kvxfer.layout: {exc}")
     differences = ours.differences(theirs)
     if differences:
         return Refusal("layout", "the prefill engine's page layout differs from ours: "
@@ -159,6 +170,9 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
     if len(parsed.capabilities) != theirs.tp_size:
         return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
                                     f"entries; expected one per rank ({theirs.tp_size})")
+    unsupported = unsplittable(theirs.split, ours.page.split)
+    if unsupported:
+        return Refusal("layout", unsupported)
     return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs,
                          theirs_model)
 
@@ -188,8 +202,9 @@ def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
 @dataclass(frozen=True)
 class Save:
     """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
-    into the pages leased for it (page ``k`` of ``pages[rank]`` holds part ``k % n`` of block
-    ``k // n``, ``n`` the pages per block), then offers them as
+    into the pages leased for it (page ``t * g + j`` of ``pages[rank]`` holds head group ``j``
+    of part ``t % n`` of block ``t // n``, ``n`` the token pages per block and ``g`` the
+    groups: ``engine_core.head_split``), then offers them as
     its rank's transfer of ``transfer_id``, recording ``prompt_digest`` with it.
     ``arena_epoch`` is the daemon memory epoch the leases were granted in: a worker whose
     mapping is older re-attaches before writing. ``capabilities`` (per rank, the leases')
@@ -209,13 +224,15 @@ class Save:
 
 @dataclass(frozen=True)
 class Load:
-    """Decode: each rank pulls the pages of its transfer of ``transfer_id`` (``num_pages``
-    pages) from ``first_page`` on (earlier pages are a local prefix-cache hit: they do not
-    cross the wire) from ``peer``, with its rank's capability and the request's
-    ``prompt_digest``, then copies the ``k``-th page pulled into part ``k % n`` of
-    ``block_ids[k // n]`` (``n`` the pages per block; ``first_page`` is a multiple). A load
-    with ``refused`` set fails at once, moving nothing. ``planned_unix``: when the scheduler
-    planned it (where its timeline in the stats starts)."""
+    """Decode: each rank pulls, from each of the ``prefill_tp`` prefill ranks' transfers of
+    ``transfer_id`` that holds some of its KV heads (``engine_core.head_split``), the pages of
+    token pages ``first_page`` to ``num_pages`` (earlier ones are a local prefix-cache hit:
+    they do not cross the wire) from ``peer``, with that rank's capability and the request's
+    ``prompt_digest``, then copies token page ``t`` into part ``t % n`` of
+    ``block_ids[t // n - first_page // n]`` (``n`` the token pages per block; ``first_page``
+    is a multiple), each head group among its heads. A load with ``refused`` set fails at
+    once, moving nothing. ``planned_unix``: when the scheduler planned it (where its timeline
+    in the stats starts)."""
 
     req_id: str
     transfer_id: str
@@ -223,6 +240,7 @@ class Load:
     num_pages: int
     first_page: int
     block_ids: tuple[int, ...]
+    prefill_tp: int = 1
     refused: str = ""
     capabilities: tuple[str, ...] = field(default=(), repr=False)
     prompt_digest: bytes = b""
@@ -230,7 +248,7 @@ class Load:
 
     @property
     def pulled_pages(self) -> int:
-        """The pages that cross the wire."""
+        """The token pages that cross the wire."""
         return self.num_pages - self.first_page
 
 

@@ -40,6 +40,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.client.engine_core.head_split import pulled_ranks
 from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
@@ -75,7 +76,7 @@ class SchedulerSide:
         self._settings = settings
         self._model = model
         #: What binds this engine's prompt digests to its model and layout.
-        self._engine = engine_binding(layout.as_dict(), model.fingerprint)
+        self._engine = engine_binding(layout.page.bytes_dict(), model.fingerprint)
         #: This interval's figures for vLLM's metrics (``metrics``), shared with the connector.
         self.interval = interval or IntervalStats()
         self._layout = layout
@@ -106,7 +107,13 @@ class SchedulerSide:
             return
         remote = parse_remote_prefill(request.kv_transfer_params, self._layout, self._model)
         if isinstance(remote, RemotePrefill):
-            self._keeper.want(request.request_id, remote.peer, remote.holds())
+            pulled = pulled_ranks(remote.layout.split, self._layout.page.split)
+            self._keeper.want(request.request_id, remote.peer, remote.holds(pulled))
+            unpulled = set(range(remote.layout.tp_size)) - pulled
+            if unpulled:
+                self._keeper.drop_now(remote.peer, remote.holds(unpulled),
+                                      f"decode request {request.request_id}: no rank here "
+                                      "pulls those KV heads (other ranks hold them too)")
 
     def _drop_offers(self, request: Any, why: str) -> None:
         """``request`` will not pull its offers: they end at the prefill daemon now."""
@@ -152,7 +159,8 @@ class SchedulerSide:
         failed and computes the prompt, instead of waiting for it forever."""
         self.forget(request)
         if num_external_tokens > 0:
-            self._new_loads.append(Load(request.request_id, "", "", 0, 0, tuple(block_ids), why))
+            self._new_loads.append(Load(request.request_id, "", "", 0, 0, tuple(block_ids),
+                                        refused=why))
             self._loading.add(request.request_id)
 
     def failed_plan(self, why: str) -> StepPlan:
@@ -193,10 +201,10 @@ class SchedulerSide:
         num_blocks = math.ceil(int(request.num_prompt_tokens) / layout.block_size)
         first_block = local // layout.block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
-                                    num_pages, first_block * layout.pages_per_block,
+                                    num_pages, first_block * layout.token_pages_per_block,
                                     tuple(block_ids[first_block:num_blocks]),
-                                    capabilities=remote.capabilities, prompt_digest=digest,
-                                    planned_unix=time.time()))
+                                    remote.layout.tp_size, capabilities=remote.capabilities,
+                                    prompt_digest=digest, planned_unix=time.time()))
         self._loading.add(request.request_id)
 
     def finished_loading(self, req_ids: set[str]) -> None:
@@ -239,7 +247,8 @@ class SchedulerSide:
             log.warning("request %s keeps its KV to itself: a prompt given as embeddings cannot "
                         "be bound to its KV; the decode engine will compute it", request.request_id)
             return None
-        num_pages = math.ceil(request.num_prompt_tokens / self._layout.page_size)
+        num_pages = (math.ceil(request.num_prompt_tokens / self._layout.page_size)
+                     * self._layout.groups)
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
         transfer_id = f"{self._engine_id}/{request.request_id}"
         leases: list[LeaseInfo] = []

@@ -31,6 +31,12 @@ class ConnectorSettings(BaseModel):
                                 "size); engines of different block sizes exchange KV when "
                                 "both use the same page_size, one that divides both block "
                                 "sizes (only with the in-block format mha_head_major)")
+    page_heads: int | None = Field(
+        None, gt=0, description="KV heads per page of the pool (default: all of a rank's); "
+                                "engines of different tensor-parallel sizes exchange KV when "
+                                "both use the same page_heads, one that divides both sides' "
+                                "KV heads per rank, 1 always does (only with the in-block "
+                                "format mha_head_major)")
     timeout_s: float = Field(30.0, gt=0, description="deadline of one request's transfer")
     lease_s: float = Field(60.0, gt=0, description="how long the daemon holds a request's "
                                                    "pages if nobody releases them")

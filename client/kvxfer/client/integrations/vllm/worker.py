@@ -11,11 +11,14 @@ instead (``engine_core.block_tiling``).
 Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
 into its leased pages as the forward computes them (copy-out); ``wait_for_save``
 offers the pages as the request's transfer, lease ending with it, so the
-engine's blocks are free at once. Decode: ``start_load_kv`` queues a pull per planned
-load, each leasing its pages, and returns (``engine_core.loads``: the pulls start from a
+engine's blocks are free at once. Decode: ``start_load_kv`` queues, per planned load, a
+pull of each prefill rank's transfer that holds some of this rank's KV heads (one, the same
+rank's, when both engines have the same TP size: ``engine_core.head_split``), each leasing
+its pages, and returns (``engine_core.loads``: the pulls start from a
 thread and their endings come from a feed in another, so the step makes no call to the
-daemon); ``get_finished`` has the finished ones copied into the request's blocks
-(copy-in, in a thread too: ``engine_core.landings``) and reports them once copied; failed ones are
+daemon); ``get_finished`` has the finished ones copied into the request's blocks, each
+page among this rank's heads (copy-in, in a thread too: ``engine_core.landings``) and
+reports a load once all its pulls are copied; failed ones are
 reported failed too (``take_failed``: vLLM's request-level ``failed_recving``), so vLLM
 recomputes or fails them, never serves them. A load dropped because its request
 ended is reported finished too, so vLLM frees the blocks it held for it.
@@ -35,12 +38,14 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
+from kvxfer.client.engine_core.block_tiling import Places
 from kvxfer.client.engine_core.endings import Endings
+from kvxfer.client.engine_core.head_split import HeadSplit, sources
 from kvxfer.client.engine_core.landings import Landed, Landings
 from kvxfer.client.engine_core.loads import PageLoads, PullEnd, failure_reason
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
@@ -62,6 +67,7 @@ from kvxfer.errors import (
     TransferExistsError,
 )
 from kvxfer.pages import PageRuns
+from kvxfer.status import TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
@@ -85,10 +91,31 @@ def _timed(method: Callable[Concatenate[WorkerSide, Params], Result]
 
 @dataclass
 class Loading:
-    """What the worker keeps with a pull in flight: the load it serves, and its timeline."""
+    """A load in flight: the load, its timeline, its pulls (one per prefill rank holding some
+    of this rank's KV heads) not landed yet, its copies running, and how it ended (once
+    ``outcome`` is set and no copy runs, it is reported)."""
 
     load: Load
     timeline: LoadTimeline
+    parts: int = 1
+    copying: int = 0
+    outcome: tuple[str, str] | None = None  # ("", "") landed; else (why, reason) it failed
+    reported: bool = False
+    infos: list[TransferInfo] = field(default_factory=list)
+    transfer_s: float = 0.0  # the longest of its pulls, from queued to ended
+    copy_s: float = 0.0  # its copies' seconds, added up
+
+
+@dataclass(frozen=True)
+class Part:
+    """One pull of a load: from prefill rank ``rank``'s transfer, past its first
+    ``skip_pages``, and where its pages go."""
+
+    loading: Loading
+    rank: int
+    transfer_id: str
+    places: Places
+    skip_pages: int
 
 
 class WorkerSide:
@@ -108,11 +135,11 @@ class WorkerSide:
         self._endings = Endings(self._client)
         self._blocks = PagedBlocks(self._client, reach, settings.pool,
                                    check=lambda pool: check_pool(layout, pool),
-                                   block_size=layout.block_size)
-        self._loads: PageLoads[Loading] = PageLoads(self._client, self._endings, reach,
+                                   block_size=layout.block_size, block_heads=layout.num_kv_heads)
+        self._loads: PageLoads[Part] = PageLoads(self._client, self._endings, reach,
                                                     timeout_s=settings.timeout_s,
                                                     remap=self._remap)
-        self._landings: Landings[tuple[PullEnd[Loading], float]] = Landings()
+        self._landings: Landings[tuple[PullEnd[Part], float]] = Landings()
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
         self._plan = StepPlan()
@@ -145,7 +172,7 @@ class WorkerSide:
         self._loads.stop_following()
         self._blocks.attach()
         for end in self._loads.follow(self._blocks.epoch):
-            self._fail(end.pull.payload.load, end.why, end.reason)
+            self._fail(end.pull.payload.loading, end.why, end.reason)
 
     def _remap(self) -> None:
         """The daemon refused a pull for its memory epoch: it restarted since we mapped it."""
@@ -191,8 +218,11 @@ class WorkerSide:
                 continue
             start = time.perf_counter()
             try:
-                self._blocks.copy_out(self._layers[layer_name], as_blocks(kv_layer),
-                                      save.block_ids, save.pages[self._rank])
+                pages = save.pages[self._rank]
+                places = Places.of(save.block_ids, self._layout.token_pages_per_block, 0,
+                                   len(pages) // self._layout.groups, range(self._layout.groups))
+                self._blocks.copy_out(self._layers[layer_name], as_blocks(kv_layer), places,
+                                      pages)
                 self._layers_saved[save.transfer_id] += 1
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
                 self._unsaved[save.transfer_id] = ("COPY_FAILED",
@@ -246,37 +276,53 @@ class WorkerSide:
 
     @_timed
     def start_load_kv(self) -> None:
-        """Drop the loads of requests that ended (reporting them finished, so vLLM frees their
-        blocks), and start this step's pulls."""
+        """Drop the loads of requests that ended (reporting them finished once no copy of
+        theirs runs, so vLLM frees their blocks), and start this step's pulls."""
         if self._plan.cancels:
             ended = set(self._plan.cancels)
-            for dropped in self._loads.cancel(lambda x: x.load.req_id in ended,
+            for dropped in self._loads.cancel(lambda x: x.loading.load.req_id in ended,
                                               "its request ended"):
-                self._finished.add(dropped.load.req_id)
+                self._settle(dropped.loading, ("", "CANCELLED"))
         for load in self._plan.loads:
+            loading = Loading(load, LoadTimeline(load.planned_unix))
             if load.refused:
-                self._fail(load, load.refused, "REFUSED")
+                self._fail(loading, load.refused, "REFUSED")
                 continue
             try:
-                self._start(load)
+                self._start(loading)
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
-                self._fail(load, f"{type(exc).__name__}: {exc}", failure_reason(exc))
+                self._fail(loading, f"{type(exc).__name__}: {exc}", failure_reason(exc))
 
-    def _start(self, load: Load) -> None:
-        """Queue ``load``'s pull, into pages leased for it, through our mapping's memory epoch
-        (``engine_core.loads`` retries once, re-attached, if the daemon restarted since). A
-        transfer id this worker is still loading (params used twice) is refused."""
-        loading = Loading(load, LoadTimeline(load.planned_unix))
+    def _parts(self, loading: Loading) -> list[Part]:
+        """``loading``'s pulls: one per prefill rank holding some of this rank's KV heads."""
+        load, ours = loading.load, self._layout.page.split
+        theirs = HeadSplit(ours.num_kv_heads, load.prefill_tp, ours.page_heads)
+        return [Part(loading, source.rank, rank_transfer(load.transfer_id, source.rank,
+                                                         load.prefill_tp),
+                     Places.of(load.block_ids, self._layout.token_pages_per_block,
+                               load.first_page, load.num_pages, source.places),
+                     load.first_page * theirs.groups)
+                for source in sources(theirs, ours, self._rank)]
+
+    def _start(self, loading: Loading) -> None:
+        """Queue ``loading``'s pulls, into pages leased for each, through our mapping's memory
+        epoch (``engine_core.loads`` retries once, re-attached, if the daemon restarted
+        since). A transfer id this worker is still loading (params used twice) is refused."""
+        load = loading.load
         loading.timeline.mark("started")
-        self._loads.check_free(rank_transfer(load.transfer_id, self._rank, self._layout.tp_size))
+        parts = self._parts(loading)
+        for part in parts:
+            self._loads.check_free(part.transfer_id)
         if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
             self._attach()
-        self._loads.start(
-            loading, rank_transfer(load.transfer_id, self._rank, self._layout.tp_size),
-            peer=load.peer, pool=self._settings.pool, pages=load.pulled_pages,
-            skip_pages=load.first_page, capability=load.capabilities[self._rank],
-            prompt_digest=load.prompt_digest, epoch=self._blocks.epoch,
-            lease_s=self._settings.lease_s, holder=f"vllm {self._engine_id}")
+        loading.parts = len(parts)
+        for part in parts:
+            self._loads.start(
+                part, part.transfer_id, peer=load.peer, pool=self._settings.pool,
+                pages=len(part.places), skip_pages=part.skip_pages,
+                capability=load.capabilities[part.rank], prompt_digest=load.prompt_digest,
+                epoch=self._blocks.epoch, lease_s=self._settings.lease_s,
+                holder=f"vllm {self._engine_id}")
 
     def get_finished(self) -> set[str]:
         """Requests whose load ended since the last step (failed ones too: see take_failed).
@@ -300,13 +346,13 @@ class WorkerSide:
         ends += self._loads.expire()
         for end in ends:
             if not end.ok:
-                self._fail(end.pull.payload.load, end.why, end.reason)
+                self._fail(end.pull.payload.loading, end.why, end.reason)
                 continue
             try:
                 self._land(end)
             except Exception as exc:  # noqa: BLE001 - the load fails, not the engine
                 self._loads.release(end)
-                self._fail(end.pull.payload.load, f"copying it in failed: "
+                self._fail(end.pull.payload.loading, f"copying it in failed: "
                            f"{type(exc).__name__}: {exc}", "COPY_FAILED")
         finished, self._finished = self._finished, set()
         if ends or landings or self._plan.saves or self._plan.loads:
@@ -318,69 +364,104 @@ class WorkerSide:
         self._step_s = 0.0
         return finished
 
-    def _land(self, end: PullEnd[Loading]) -> None:
+    def _land(self, end: PullEnd[Part]) -> None:
         """Have a finished pull's pages copied into its request's blocks, in the landing
-        thread (``_landed`` reports it once copied)."""
-        load, rows = end.pull.payload.load, self._blocks
+        thread (``_landed`` counts it once copied); nothing for a load that already failed."""
+        part, rows = end.pull.payload, self._blocks
+        loading = part.loading
         assert end.pull.lease is not None
+        if loading.outcome is not None:
+            self._loads.release(end)
+            return
         if end.pull.epoch != rows.epoch:  # re-attached since: its pages are another arena's
-            self._fail(load, f"the daemon restarted (memory epoch {rows.epoch[:12]}, the "
-                             f"load's {end.pull.epoch[:12]}): its transfer is gone",
+            self._loads.release(end)
+            self._fail(loading, f"the daemon restarted (memory epoch {rows.epoch[:12]}, the "
+                                f"load's {end.pull.epoch[:12]}): its transfer is gone",
                        "DAEMON_RESTARTED")
             return
-        pages = list(end.pull.lease.runs.pages())[:load.pulled_pages]
-        end.pull.payload.timeline.pulled = end.pull.returned_unix
-        end.pull.payload.timeline.mark("ended")
+        pages = list(end.pull.lease.runs.pages())[:len(part.places)]
+        loading.timeline.pulled = max(loading.timeline.pulled, end.pull.returned_unix)
+        loading.timeline.mark("ended")  # the last of its pulls to end sets it
+        loading.copying += 1
         self._landings.submit((end, time.perf_counter() - end.pull.started),
-                              lambda: self._copy_in(rows, pages, load.block_ids))
+                              lambda: self._copy_in(rows, pages, part.places))
 
-    def _copy_in(self, rows: PagedBlocks, pages: list[int], block_ids: tuple[int, ...]) -> None:
+    def _copy_in(self, rows: PagedBlocks, pages: list[int], places: Places) -> None:
         """The landing thread's copy; on a GPU it returns once the device finished it (the
         pages are released, and may be reused, when it returns)."""
-        rows.copy_in(self._kv, pages, block_ids)
+        rows.copy_in(self._kv, pages, places)
         if self._kv and self._kv[0].is_cuda:
             torch.cuda.current_stream(self._kv[0].device).synchronize()
 
-    def _landed(self, landed: Landed[tuple[PullEnd[Loading], float]]) -> None:
-        """A copy-in finished: release the pages, report the load (failed if the copy was)."""
+    def _landed(self, landed: Landed[tuple[PullEnd[Part], float]]) -> None:
+        """A copy-in finished: release its pages; the load is done once all its pulls are."""
         end, transfer_s = landed.payload
-        load, timeline, info = end.pull.payload.load, end.pull.payload.timeline, end.info
+        loading, info = end.pull.payload.loading, end.info
         assert info is not None
         self._loads.release(end)
+        loading.copying -= 1
+        loading.copy_s += landed.seconds
         if landed.error is not None:
-            self._fail(load, f"copying it in failed: {type(landed.error).__name__}: "
-                             f"{landed.error}", "COPY_FAILED")
+            self._fail(loading, f"copying it in failed: {type(landed.error).__name__}: "
+                                f"{landed.error}", "COPY_FAILED")
             return
-        timeline.mark("landed")
-        self._finished.add(load.req_id)
-        self.interval.load(timeline.landed - timeline.started, info.bytes, load.pulled_pages)
-        self._stats.record(role="decode", transfer_id=info.transfer_id, req_id=load.req_id,
-                           rank=self._rank, ok=True, pages=load.pulled_pages, bytes=info.bytes,
-                           transfer_s=transfer_s, daemon_s=info.seconds,
-                           daemon_data_s=info.data_seconds, copy_s=landed.seconds,
-                           verified=info.verified, **timeline.fields())
+        loading.infos.append(info)
+        loading.transfer_s = max(loading.transfer_s, transfer_s)
+        self._settle(loading, ("", "") if len(loading.infos) == loading.parts else None)
 
-    def _fail(self, load: Load, why: str, reason: str) -> None:
-        """Report ``load`` failed; with tensor parallelism, abort the other ranks' transfers
-        of it too: vLLM reports a request's load (failed or not) only once every rank has
-        reported it, so a sibling's stalled transfer would hold the failed request until
-        its deadline. Not for an abort (not passed on again), a refusal (no transfer
-        exists) or a transfer id already being loaded (the transfers are another
-        request's)."""
+    def _fail(self, loading: Loading, why: str, reason: str) -> None:
+        """``loading`` failed: drop its other pulls, and, with tensor parallelism, abort the
+        other ranks' transfers of it too: vLLM reports a request's load (failed or not) only
+        once every rank has reported it, so a sibling's stalled transfer would hold the
+        failed request until its deadline. Not for an abort (not passed on again), a refusal
+        (no transfer exists) or a transfer id already being loaded (the transfers are another
+        request's). Reported once no copy of it runs."""
+        if loading.outcome is not None:
+            return
+        load = loading.load
         self.load_failures[reason] += 1
         self.interval.count("failed_loads", reason)
+        ours = {part.transfer_id for part in self._loads.cancel(
+            lambda x: x.loading is loading, f"another pull of its load failed ({reason})")}
         if reason not in ("REFUSED", TransferAbortedError.reason, TransferExistsError.reason):
-            for rank in range(self._layout.tp_size):
-                if rank != self._rank:
-                    self._endings.abort_soon(
-                        rank_transfer(load.transfer_id, rank, self._layout.tp_size),
-                        f"rank {self._rank}'s load of it failed ({reason})")
+            for rank in range(load.prefill_tp):  # what the other ranks pull
+                transfer_id = rank_transfer(load.transfer_id, rank, load.prefill_tp)
+                if transfer_id not in ours:
+                    self._endings.abort_soon(transfer_id, f"rank {self._rank}'s load of it "
+                                                          f"failed ({reason})")
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
-        self._failed.add(load.req_id)
-        self._finished.add(load.req_id)
         self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=False, error=why)
+        self._settle(loading, (why, reason))
+
+    def _settle(self, loading: Loading, outcome: tuple[str, str] | None) -> None:
+        """Record ``outcome`` (first one wins) and report the load once no copy of it runs:
+        vLLM frees, or recomputes into, its blocks once told."""
+        if loading.outcome is None:
+            loading.outcome = outcome
+        if loading.outcome is None or loading.copying or loading.reported:
+            return
+        loading.reported = True
+        load = loading.load
+        self._finished.add(load.req_id)
+        why, reason = loading.outcome
+        if reason:
+            if reason != "CANCELLED":
+                self._failed.add(load.req_id)
+            return
+        loading.timeline.mark("landed")
+        nbytes = sum(info.bytes for info in loading.infos)
+        self.interval.load(loading.timeline.landed - loading.timeline.started, nbytes,
+                           load.pulled_pages)
+        self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
+                           rank=self._rank, ok=True, pages=load.pulled_pages, bytes=nbytes,
+                           transfer_s=loading.transfer_s,
+                           daemon_s=max(info.seconds for info in loading.infos),
+                           daemon_data_s=max(info.data_seconds for info in loading.infos),
+                           copy_s=loading.copy_s, pulls=loading.parts,
+                           verified=all(info.verified for info in loading.infos),
+                           **loading.timeline.fields())
 
     def take_failed(self) -> set[str]:
         """Requests whose load failed since the last call (each also in ``get_finished``):

@@ -1,0 +1,63 @@
+"""The mixed tensor-parallel phase of ``vllm_scenario.py --tp 2``: engines of other TP sizes.
+
+An engine of one rank (``narrow``, ``kv_both``, block 32) joins the TP 2 pair. Its daemon's
+pages hold one KV head, as the pair's do (the tiny model's two KV heads over two ranks), so
+it loads what the pair's prefill engine computed on two ranks (TP 2 -> 1): its one rank
+pulls both ranks' transfers and copies each among its heads. The pair's decode engine is
+then given what the narrow engine computed (TP 1 -> 2), which it refuses (``layout``: a
+transfer is pulled whole, once) and computes itself. Each answer is recorded with the plain
+answers of both engines (asked with a ``cache_salt``, so they neither hit nor fill the prefix
+cache) and the tokens each engine took from a transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_client import ask
+from vllm_trust_phase import PROMPTS, Phase
+
+from kvxfer.client import KvxferClient
+from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
+
+#: The narrow engine's pages: one KV head (the pair's rank holds one of the model's two).
+PAGE_HEADS = 1
+#: vLLM's count of prompt tokens by where they came from.
+SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
+#: The prompts loaded TP 2 -> 1, and the one refused TP 1 -> 2.
+NARROWED, WIDENED = ("K0", "K1", "K2"), "K3"
+
+
+def run(d: Disaggregation, model: str) -> dict[str, Any]:
+    """Every case, in order; what each answered and moved."""
+    assert d.decode is not None
+    daemon, narrow = d.add_engine("narrow", block_size=32, page_size=32, tp=1,
+                                  page_heads=PAGE_HEADS)
+    phase = Phase(d, model)
+
+    def taken(engine: VllmServer) -> float:
+        return engine.metric(SOURCE % (model, "external_kv_transfer"))
+
+    def plain(engine: VllmServer, name: str) -> dict[str, Any]:
+        with engine.client() as http:
+            return ask(http, model, PROMPTS[name], f"plain-{engine.name}-{name}", top=1,
+                       salt="plain")
+
+    out: dict[str, Any] = {"narrowed": {}, "plain_narrow": {}, "plain_pair": {}}
+    for name in NARROWED:
+        params = phase.prefilled(name, f"to-narrow-{name}")
+        before = taken(narrow)
+        out["narrowed"][name] = phase.direct(name, params, f"to-narrow-{name}", engine=narrow)
+        out["narrowed"][name]["loaded"] = taken(narrow) - before
+    with KvxferClient(daemon.worker_address) as client:
+        out["narrow_transfers"] = {i.transfer_id: [i.role.name, i.state.name, i.pages]
+                                   for i in client.transfers()}
+    params = phase.prefilled(WIDENED, f"from-narrow-{WIDENED}", engine=narrow)
+    before = taken(d.decode)
+    out["widened"] = phase.direct(WIDENED, params, f"from-narrow-{WIDENED}")
+    out["widened"]["loaded"] = taken(d.decode) - before
+    for name in (*NARROWED, WIDENED):
+        out["plain_narrow"][name] = plain(narrow, name)
+        out["plain_pair"][name] = plain(d.decode, name)
+    narrow.stop()  # the phases after it need the cores
+    return out
