@@ -28,6 +28,7 @@ from kvxfer.errors import (
     TransferDeadlineError,
     TransferNotFoundError,
 )
+from kvxfer.offer_parts import OfferPart
 from kvxfer.pages import PageRuns
 from kvxfer.server.peer_protocol import PeerAbort
 from kvxfer.server.tls import Caller
@@ -196,6 +197,26 @@ async def the_worker_aborts_before_it_registers(sender: Side, receiver: Side,
     assert "before it was registered: its request ended" in got.error
 
 
+async def a_part_aborted_mid_transfer_ends_its_offer_and_the_other_part(
+        sender: Side, receiver: Side, network: FakeNetwork) -> None:
+    """An offer pulled in two parts: the receiver aborts part 0 mid-transfer; the offer ends
+    at once (its lease with it), and so does part 1, on both daemons."""
+    network.hold()
+    offered = sender.transfers.offer("ok", "kv", SRC, 10, verify=False)
+    for index, pages, dst in ((0, [(0, 2)], [(10, 2)]), (1, [(2, 1)], [(20, 1)])):
+        receiver.transfers.pull("ok", sender.peer_address, "kv", PageRuns.of(dst), 10,
+                                capability=offered.capability,
+                                part=OfferPart(index, 2, PageRuns.of(pages)))
+    await until(lambda: sender.transfers.registry.find("ok#1") is not None
+                and sender.transfers.registry.get("ok#1").state == T, what="part 1's sends")
+    receiver.transfers.abort("ok#0", "rank 0 gave up")
+    offer, other = await sender.final("ok", timeout_s=5), await receiver.final("ok#1", timeout_s=5)
+    assert isinstance(offer.failure, TransferAbortedError) and "rank 0 gave up" in offer.error
+    assert isinstance(other.failure, TransferAbortedError), other.error
+    assert "its offer 'ok' ended" in other.error
+    network.release()
+
+
 #: (scenario, transitions it drives on the sender, on the receiver).
 SCENARIOS: list[tuple[Scenario, set[Transition], set[Transition]]] = [
     (a_push_completes, {(W, T), (T, DONE)}, {(W, T), (T, DONE)}),
@@ -211,6 +232,8 @@ SCENARIOS: list[tuple[Scenario, set[Transition], set[Transition]]] = [
     (the_sender_dies_mid_transfer, set(), {(W, T), (T, FAILED)}),
     (the_sender_dies_between_its_bytes_and_its_commit, set(), {(W, T), (T, FAILED)}),
     (a_byte_is_corrupted_on_the_wire, {(T, FAILED)}, {(T, FAILED)}),
+    (a_part_aborted_mid_transfer_ends_its_offer_and_the_other_part, {(W, T), (T, ABORTED)},
+     {(T, ABORTED)}),
 ]
 
 

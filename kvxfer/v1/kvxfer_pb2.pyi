@@ -451,6 +451,39 @@ class PageRun(_message.Message):
 Global___PageRun: _TypeAlias = PageRun  # noqa: Y015
 
 @_typing.final
+class OfferPart(_message.Message):
+    """Which of an offer's pages a pull takes. With count above 1, several pullers share the
+    offer (at most 64), each pulling its own part ``index`` (once) and naming the same count;
+    the offer ends, its lease with it, once every part has ended; each part is a transfer of
+    its own, ``<offer id>#<index>``, on both daemons. ``pages``: the offer's pages it takes
+    (indices into the offer's page sequence, in order; empty: every one, or from skip_pages on).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    PAGES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    count: _builtins.int
+    @_builtins.property
+    def pages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        count: _builtins.int = ...,
+        pages: _abc.Iterable[Global___PageRun] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "index", b"index", "pages", b"pages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OfferPart: _TypeAlias = OfferPart  # noqa: Y015
+
+@_typing.final
 class Extent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -991,6 +1024,7 @@ class PullRequest(_message.Message):
     CAPABILITY_FIELD_NUMBER: _builtins.int
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     SKIP_PAGES_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     peer: _builtins.str
     """the prefill daemon's peer address, host:port"""
@@ -1010,6 +1044,12 @@ class PullRequest(_message.Message):
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
     def lease(self) -> Global___LeaseUse: ...
+    @_builtins.property
+    def part(self) -> Global___OfferPart:
+        """KV already): dst_runs receive its pages from this one on
+        which part of the offer (unset: all of it, pulled once); with
+        """
+
     def __init__(
         self,
         *,
@@ -1024,10 +1064,11 @@ class PullRequest(_message.Message):
         capability: _builtins.str = ...,
         prompt_digest: _builtins.bytes = ...,
         skip_pages: _builtins.int = ...,
+        part: Global___OfferPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "part", b"part"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_runs", b"dst_runs", "lease", b"lease", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "skip_pages", b"skip_pages", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "dst_runs", b"dst_runs", "lease", b"lease", "part", b"part", "peer", b"peer", "peer_identity", b"peer_identity", "pool", b"pool", "prompt_digest", b"prompt_digest", "skip_pages", b"skip_pages", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2010,6 +2051,7 @@ class RequestPushRequest(_message.Message):
     PROMPT_DIGEST_FIELD_NUMBER: _builtins.int
     PLACEMENT_FIELD_NUMBER: _builtins.int
     SKIP_PAGES_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     reply_to: _builtins.str
     """the receiver's peer address"""
@@ -2021,6 +2063,10 @@ class RequestPushRequest(_message.Message):
     """send the offer's pages from this one on (fewer than it has)"""
     @_builtins.property
     def placement(self) -> Global___PullPlacement: ...
+    @_builtins.property
+    def part(self) -> Global___OfferPart:
+        """which part of the offer (see OfferPart)"""
+
     def __init__(
         self,
         *,
@@ -2030,10 +2076,11 @@ class RequestPushRequest(_message.Message):
         prompt_digest: _builtins.bytes = ...,
         placement: Global___PullPlacement | None = ...,
         skip_pages: _builtins.int = ...,
+        part: Global___OfferPart | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["placement", b"placement"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["part", b"part", "placement", b"placement"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "placement", b"placement", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "skip_pages", b"skip_pages", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capability", b"capability", "part", b"part", "placement", b"placement", "prompt_digest", b"prompt_digest", "reply_to", b"reply_to", "skip_pages", b"skip_pages", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,7 @@ from kvxfer.errors import InvalidSpecError
 from kvxfer.layout import PoolLayout, PoolSpec, ViewRole, ViewSpec
 from kvxfer.layout.kinds import SPEC_CLASSES, as_shape, shape_depths, spec_class
 from kvxfer.memory import CudaIpcHandle, MemoryHandle, SharedMemoryHandle
+from kvxfer.offer_parts import OfferPart
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.status import (
     DataPlane,
@@ -46,6 +47,17 @@ def runs_to_proto(runs: PageRuns) -> list[pb.PageRun]:
 def runs_from_proto(msgs: Iterable[pb.PageRun]) -> PageRuns:
     """``PageRun`` messages as validated, normalized ``PageRuns``."""
     return PageRuns.of((int(m.start), int(m.count)) for m in msgs)
+
+
+def part_to_proto(part: OfferPart) -> pb.OfferPart:
+    """A pull's part of its offer as its message."""
+    pages = [] if part.pages is None else runs_to_proto(part.pages)
+    return pb.OfferPart(index=part.index, count=part.count, pages=pages)
+
+
+def part_from_proto(msg: pb.OfferPart) -> OfferPart:
+    """Decode a pull's part (InvalidArgumentError for an index or count out of range)."""
+    return OfferPart(msg.index, msg.count, runs_from_proto(msg.pages) if msg.pages else None)
 
 
 def extents_to_proto(extents: Iterable[Extent]) -> list[pb.Extent]:

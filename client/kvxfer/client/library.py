@@ -29,6 +29,7 @@ from kvxfer.client.health_probe import health_check
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
+from kvxfer.offer_parts import OfferPart
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.propagation import WORKER_NAME_KEY, outgoing_metadata
 from kvxfer.status import (
@@ -47,6 +48,7 @@ from kvxfer.wire.codec import (
     info_from_proto,
     lease_from_proto,
     lease_use_to_proto,
+    part_to_proto,
     peer_session_from_proto,
     pool_info_from_proto,
     runs_to_proto,
@@ -263,28 +265,31 @@ class KvxferClient:
              timeout_s: float = 0.0, *, lease_id: str = "",
              release_lease: bool = False, peer_identity: str = "",
              arena_epoch: str = "", capability: str = "", prompt_digest: bytes = b"",
-             skip_pages: int = 0, wait: bool = False) -> TransferInfo:
+             skip_pages: int = 0, part: OfferPart | None = None,
+             wait: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side),
         presenting the offer's ``capability`` and ``prompt_digest`` (a wrong or spent
         capability, or no such offer, fails the transfer with NOT_FOUND; another digest with
         PromptMismatchError); with ``peer_identity`` (that daemon's certificate name) no
         other peer may fill it; with ``wait``, answer when it is final. The offer's first
         ``skip_pages`` pages are not moved (the caller holds their KV): ``dst_runs`` receive
-        the rest."""
+        the rest; with a ``part``, its pages of the offer (``kvxfer.offer_parts``: shared by
+        several pullers, the pull is the transfer ``part_id(transfer_id, part.index)``)."""
         req = pb.PullRequest(transfer_id=transfer_id, peer=peer, pool=pool,
                              dst_runs=runs_to_proto(dst_runs), timeout_s=timeout_s,
                              lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                              peer_identity=peer_identity, wait=wait, capability=capability,
-                             prompt_digest=prompt_digest, skip_pages=skip_pages)
+                             prompt_digest=prompt_digest, skip_pages=skip_pages,
+                             part=part_to_proto(part or OfferPart()))
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
     def lease_and_pull(self, transfer_id: str, peer: str, pool: str, pages: int,
                        timeout_s: float = 0.0, *, lease_s: float = 0.0, holder: str = "",
                        peer_identity: str = "", arena_epoch: str = "", capability: str = "",
-                       prompt_digest: bytes = b"",
-                       skip_pages: int = 0) -> tuple[LeaseInfo, TransferInfo]:
+                       prompt_digest: bytes = b"", skip_pages: int = 0,
+                       part: OfferPart | None = None) -> tuple[LeaseInfo, TransferInfo]:
         """Lease ``pages`` pages of ``pool`` and ``pull`` into them (the offer's pages from
-        ``skip_pages`` on: as many as ``pages``), in one round trip: the
+        ``skip_pages`` on, or ``part``'s: as many as ``pages``), in one round trip: the
         new lease (release it once its pages are read) and the pull's status. A refused
         pull raises as ``pull`` does, and leaves no lease."""
         req = pb.LeasePullRequest(
@@ -292,7 +297,8 @@ class KvxferClient:
             pull=pb.PullRequest(transfer_id=transfer_id, peer=peer, timeout_s=timeout_s,
                                 lease=self._lease(pool, "", False, arena_epoch),
                                 peer_identity=peer_identity, capability=capability,
-                                prompt_digest=prompt_digest, skip_pages=skip_pages))
+                                prompt_digest=prompt_digest, skip_pages=skip_pages,
+                                part=part_to_proto(part or OfferPart())))
         reply = self._call(self._stub.LeasePull, req)
         return lease_from_proto(reply.lease), info_from_proto(reply.transfer)
 

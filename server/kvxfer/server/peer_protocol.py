@@ -17,10 +17,18 @@ from dataclasses import dataclass, field
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.errors import InvalidArgumentError, ProtocolVersionError
 from kvxfer.local_copy import ArenaFile
+from kvxfer.offer_parts import OfferPart
 from kvxfer.pages import PageRuns
 from kvxfer.server.limits import MIN_CHUNK_BYTES, check_digest, check_id, check_text
 from kvxfer.v1 import kvxfer_pb2 as pb
-from kvxfer.wire.codec import descriptor_from_proto, descriptor_to_proto, runs_from_proto, runs_to_proto
+from kvxfer.wire.codec import (
+    descriptor_from_proto,
+    descriptor_to_proto,
+    part_from_proto,
+    part_to_proto,
+    runs_from_proto,
+    runs_to_proto,
+)
 
 #: The peer protocol's version: a handshake of another is refused (ProtocolVersionError).
 PEER_PROTOCOL_VERSION = 1
@@ -129,6 +137,7 @@ class PullAsk:
     prompt_digest: bytes = b""
     placement: Placement | None = None
     skip_pages: int = 0  # the offer's first pages not to send
+    part: OfferPart = field(default_factory=OfferPart)  # which part of the offer
 
 
 @dataclass(frozen=True)
@@ -242,7 +251,7 @@ def pull_ask_to_proto(request: PullAsk) -> pb.RequestPushRequest:
     msg = pb.RequestPushRequest(transfer_id=request.transfer_id, reply_to=request.reply_to,
                                 capability=request.capability,
                                 prompt_digest=request.prompt_digest,
-                                skip_pages=request.skip_pages)
+                                skip_pages=request.skip_pages, part=part_to_proto(request.part))
     where = request.placement
     if where is not None:
         msg.placement.CopyFrom(pb.PullPlacement(
@@ -269,7 +278,7 @@ def pull_ask_from_proto(msg: pb.RequestPushRequest) -> PullAsk:
                               where.chunk_bytes)
     return PullAsk(check_id("transfer_id", msg.transfer_id), check_text("reply_to", msg.reply_to),
                    check_text("capability", msg.capability), check_digest(msg.prompt_digest),
-                   placement, msg.skip_pages)
+                   placement, msg.skip_pages, part_from_proto(msg.part))
 
 
 def started_to_proto(started: PushStarted | None) -> pb.RequestPushResponse:

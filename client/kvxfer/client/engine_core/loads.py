@@ -36,12 +36,15 @@ from kvxfer.client.engine_core.pull_starts import PullRequest, PullStarts, Start
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import KvxferError, StaleArenaError, TransferExistsError
+from kvxfer.offer_parts import OfferPart, part_id
 from kvxfer.status import LeaseInfo, TransferInfo
 
 log = logging.getLogger("kvxfer.engine_core")
 
 P = TypeVar("P")
 
+#: A pull of a whole offer.
+WHOLE = OfferPart()
 #: How long past its deadline a pull may stay unreported before it is failed here.
 EXPIRY_GRACE_S = 10.0
 #: How long ``close`` waits for a start in its call, to abort what it started.
@@ -127,12 +130,13 @@ class PageLoads(Generic[P]):
 
     def start(self, payload: P, transfer_id: str, *, peer: str, pool: str, pages: int,
               skip_pages: int, capability: str, prompt_digest: bytes, epoch: str,
-              lease_s: float, holder: str) -> None:
+              lease_s: float, holder: str, part: OfferPart = WHOLE) -> None:
         """Queue a pull: lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past
-        the offer's first ``skip_pages`` (``poll`` tells how it went); TransferExistsError if
-        it is still being pulled here."""
-        self.check_free(transfer_id)
-        self._submit(PullRequest(payload, transfer_id, peer, pool, pages, skip_pages,
+        the offer's first ``skip_pages`` or its ``part`` (``poll`` tells how it went; a part
+        shared by several pullers is the transfer ``part_id``); TransferExistsError if it is
+        still being pulled here."""
+        self.check_free(part_id(transfer_id, part.index) if part.shared else transfer_id)
+        self._submit(PullRequest(payload, transfer_id, peer, pool, pages, skip_pages, part,
                                  capability, prompt_digest, epoch, lease_s, holder))
 
     def _submit(self, request: PullRequest[P]) -> None:
@@ -196,7 +200,7 @@ class PageLoads(Generic[P]):
         ends: list[PullEnd[P]] = []
         for start in self._starts.collect():
             request = start.request
-            early = self._early.pop(request.transfer_id, None)
+            early = self._early.pop(request.local_id, None)
             if start.error is not None:
                 if request.cancelled:
                     continue  # nothing was leased or started
@@ -207,17 +211,17 @@ class PageLoads(Generic[P]):
                                                f"{start.error}", failure_reason(start.error)))
                 continue
             assert start.lease is not None and start.info is not None
-            pull = Pull(request.payload, request.transfer_id, start.lease, start.submitted,
+            pull = Pull(request.payload, request.local_id, start.lease, start.submitted,
                         request.epoch, start.info.created_unix, start.returned_unix)
             if request.cancelled:
-                self._endings.abort_soon(request.transfer_id, request.cancelled)
-                self._releasing[request.transfer_id] = pull
+                self._endings.abort_soon(request.local_id, request.cancelled)
+                self._releasing[request.local_id] = pull
             elif request.epoch != self._epoch:  # registered before its daemon restarted
-                self._pending[request.transfer_id] = pull
+                self._pending[request.local_id] = pull
                 ends += self._lost(self._epoch)
                 continue
             else:
-                self._pending[request.transfer_id] = pull
+                self._pending[request.local_id] = pull
             if early is not None:
                 ends += self._settle([early])
         return ends
@@ -239,7 +243,7 @@ class PageLoads(Generic[P]):
     @staticmethod
     def _start_failed(start: Started[P], why: str, reason: str) -> PullEnd[P]:
         request = start.request
-        pull = Pull(request.payload, request.transfer_id, None, start.submitted, request.epoch,
+        pull = Pull(request.payload, request.local_id, None, start.submitted, request.epoch,
                     0.0, start.returned_unix)
         return PullEnd(pull, None, why, reason)
 
@@ -311,7 +315,7 @@ class PageLoads(Generic[P]):
         and release its pages; stop following endings."""
         for start in self._starts.close(CLOSE_WAIT_S):
             assert start.lease is not None
-            self._endings.abort(start.request.transfer_id, why)
+            self._endings.abort(start.request.local_id, why)
             self._endings.release(start.lease.lease_id)
         for tid, pull in list(self._pending.items()):
             self._endings.abort(tid, why)

@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import KvxferClient
+from kvxfer.offer_parts import OfferPart, part_id
 from kvxfer.status import LeaseInfo, TransferInfo
 
 P = TypeVar("P")
@@ -38,6 +39,7 @@ class PullRequest(Generic[P]):
     pool: str
     pages: int
     skip_pages: int
+    part: OfferPart
     capability: str
     prompt_digest: bytes
     epoch: str
@@ -45,6 +47,11 @@ class PullRequest(Generic[P]):
     holder: str
     retried: bool = False
     cancelled: str = ""
+
+    @property
+    def local_id(self) -> str:
+        """The pull's transfer id on the caller's daemon (a shared part's is its own)."""
+        return part_id(self.transfer_id, self.part.index) if self.part.shared else self.transfer_id
 
 
 @dataclass(frozen=True)
@@ -85,7 +92,7 @@ class PullStarts(Generic[P]):
         """Queue ``request``'s start (the caller checked that its id is free here)."""
         future = self._thread.submit(self._start, request)
         future.add_done_callback(lambda _: self._done.set())
-        self._starting[request.transfer_id] = (request, time.perf_counter(), future)
+        self._starting[request.local_id] = (request, time.perf_counter(), future)
 
     def _start(self, request: PullRequest[P]) -> _Call:
         """The thread's only work: lease and pull in one call (waiting once, bounded, for a
@@ -94,7 +101,8 @@ class PullStarts(Generic[P]):
             request.transfer_id, request.peer, request.pool, request.pages,
             timeout_s=self._timeout_s, lease_s=request.lease_s, holder=request.holder,
             arena_epoch=request.epoch, capability=request.capability,
-            prompt_digest=request.prompt_digest, skip_pages=request.skip_pages))
+            prompt_digest=request.prompt_digest, skip_pages=request.skip_pages,
+            part=request.part))
         return lease, info, time.time()
 
     def cancel(self, which: Callable[[P], bool], why: str) -> list[P]:

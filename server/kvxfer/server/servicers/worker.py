@@ -25,6 +25,7 @@ from kvxfer.wire.codec import (
     info_to_proto,
     lease_to_proto,
     lease_use_from_proto,
+    part_from_proto,
     peer_session_to_proto,
     pool_info_to_proto,
     runs_from_proto,
@@ -104,7 +105,8 @@ class WorkerService(pb_grpc.KvxferServicer):
         t = self._transfers.pull(request.transfer_id, request.peer, request.pool,
                                  runs_from_proto(request.dst_runs), request.timeout_s,
                                  lease_use_from_proto(request.lease), request.peer_identity,
-                                 request.capability, request.prompt_digest, request.skip_pages)
+                                 request.capability, request.prompt_digest, request.skip_pages,
+                                 part_from_proto(request.part))
         return await self._answer(t, request.wait)
 
     async def LeasePull(self, request: pb.LeasePullRequest,
@@ -122,7 +124,7 @@ class WorkerService(pb_grpc.KvxferServicer):
         lease, t = self._transfers.lease_and_pull(
             want.pool, want.pages, want.lease_s, want.holder, pull.transfer_id, pull.peer,
             pull.timeout_s, pull.lease.arena_epoch, pull.peer_identity, pull.capability,
-            pull.prompt_digest, pull.skip_pages)
+            pull.prompt_digest, pull.skip_pages, part_from_proto(pull.part))
         return pb.LeasePullResponse(lease=self._lease_to_proto(lease),
                                     transfer=info_to_proto(t.info()))
 

@@ -28,6 +28,7 @@ from kvxfer.errors import (
     TransferDeadlineError,
     TransferNotFoundError,
 )
+from kvxfer.offer_parts import OfferPart, part_id
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
@@ -53,6 +54,8 @@ MAX_POLL_S = 60.0
 
 
 NO_LEASE = LeaseUse()
+#: A pull of a whole offer.
+NO_PART = OfferPart()
 
 
 def _check_counterpart(peer: str, side: str, capability: str, where_from: str) -> None:
@@ -72,6 +75,7 @@ class TransferCoordinator:
                  peer_address: str, authenticated_peers: bool, epoch: str,
                  max_offer_s: float) -> None:
         self.registry = registry
+        registry.tell_peer = self._tell_peer
         self.leases = leases
         self._sender = sender
         self._receiver = receiver
@@ -150,18 +154,21 @@ class TransferCoordinator:
 
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "",
-             capability: str = "", prompt_digest: bytes = b"", skip_pages: int = 0) -> Transfer:
+             capability: str = "", prompt_digest: bytes = b"", skip_pages: int = 0,
+             part: OfferPart = NO_PART) -> Transfer:
         """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side),
         presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
         computed from; with ``peer_identity``, only that peer's session may fill it. The
-        offer's first ``skip_pages`` pages are not moved: ``dst_runs`` get the rest."""
+        offer's first ``skip_pages`` pages are not moved: ``dst_runs`` get the rest; with a
+        ``part``, its pages (shared by several pullers: registered as ``part_id``)."""
         _check_counterpart(peer, "prefill", capability, "a pull presents its offer's capability "
                            "(the offer's or its lease's answer holds it)")
         check_digest(prompt_digest)
-        t = self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
+        local_id = part_id(transfer_id, part.index) if part.shared else transfer_id
+        t = self._register(local_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
                            peer=peer, disjoint=True, lease=lease, peer_identity=peer_identity,
                            capability=capability, prompt_digest=prompt_digest)
-        t.skip_pages = skip_pages
+        t.skip_pages, t.offer_id, t.part = skip_pages, transfer_id, part
         if not t.state.final:
             self._receiver.start_pull(t)
         return t
@@ -169,14 +176,15 @@ class TransferCoordinator:
     def lease_and_pull(self, pool: str, pages: int, lease_s: float, holder: str,
                        transfer_id: str, peer: str, timeout_s: float, arena_epoch: str = "",
                        peer_identity: str = "", capability: str = "",
-                       prompt_digest: bytes = b"", skip_pages: int = 0) -> tuple[Lease, Transfer]:
+                       prompt_digest: bytes = b"", skip_pages: int = 0,
+                       part: OfferPart = NO_PART) -> tuple[Lease, Transfer]:
         """Lease ``pages`` pages of ``pool`` (as ``allocate``) and ``pull`` into them; the
         lease outlives the transfer. A refused pull releases the lease and raises."""
         lease = self.leases.allocate(pool, pages, lease_s, holder)
         try:
             t = self.pull(transfer_id, peer, pool, lease.runs, timeout_s,
                           LeaseUse(lease.id, False, arena_epoch), peer_identity, capability,
-                          prompt_digest, skip_pages)
+                          prompt_digest, skip_pages, part)
         except BaseException:
             self.leases.release(lease.id)
             raise

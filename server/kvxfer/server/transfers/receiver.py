@@ -252,8 +252,8 @@ class Receiver:
             placement = Placement(session.session_id, t.pool.name, t.runs,
                                   self._tags.next_base(), lanes, self._chunk_bytes)
             t.placed_session = session.session_id  # an abort from here names it
-        request = PullAsk(t.id, self._peer_address, t.capability, t.prompt_digest, placement,
-                          t.skip_pages)
+        request = PullAsk(t.offer_id or t.id, self._peer_address, t.capability,
+                          t.prompt_digest, placement, t.skip_pages, t.part)
         try:
             with self._registry.tracing.phase(t, "request_push"):
                 started = await (await self._clients.get(t.peer)).request_push(request, t.deadline)

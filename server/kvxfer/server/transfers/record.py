@@ -21,6 +21,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from kvxfer.errors import InternalError, KvxferError, TransferAbortedError, TransferDeadlineError
+from kvxfer.offer_parts import OfferPart
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.server.pools import Pool
 from kvxfer.status import TransferInfo, TransferRole, TransferState
@@ -62,7 +63,10 @@ class Transfer:
     secret an offer's pull (once: ``capability_spent``) and an abort before a session
     must present, and that a pull presents; ``prompt_digest`` what its KV was computed
     from (an offer's) or is expected to be (a pull's). ``skip_pages``: a pull's offer's
-    first pages it does not move (the puller holds their KV). ``spans`` end with it;
+    first pages it does not move (the puller holds their KV); ``part``: which part of its
+    offer ``offer_id`` a pull takes (``kvxfer.offer_parts``). An offer pulled in parts
+    counts its ``parts`` and the ``parts_taken``, and sends each from a transfer of its own
+    (``children``, whose ``parent`` it is). ``spans`` end with it;
     ``trace`` is the context its phases' spans belong to (``kvxfer.server.tracing``).
     """
 
@@ -83,6 +87,12 @@ class Transfer:
     capability_spent: bool = False
     prompt_digest: bytes = b""
     skip_pages: int = 0
+    offer_id: str = ""
+    part: OfferPart = field(default_factory=OfferPart)
+    parts: int = 0
+    parts_taken: set[int] = field(default_factory=set)
+    children: list[Transfer] = field(default_factory=list, repr=False)
+    parent: Transfer | None = field(default=None, repr=False)
     state: TransferState = TransferState.WAITING
     history: list[TransferState] = field(default_factory=lambda: [TransferState.WAITING])
     created_unix: float = field(default_factory=time.time)
@@ -146,7 +156,9 @@ class Transfer:
 
     @property
     def bytes_total(self) -> int:
-        """Bytes the transfer moves."""
+        """Bytes the transfer moves (an offer pulled in parts: none; its parts do)."""
+        if self.parts:
+            return 0
         return self.runs.num_pages * self.pool.descriptor.page_bytes
 
     @property

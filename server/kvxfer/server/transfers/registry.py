@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -25,6 +26,7 @@ from kvxfer.errors import (
     InvalidArgumentError,
     KvxferError,
     PeerUnavailableError,
+    TransferAbortedError,
     TransferExistsError,
     TransferNotFoundError,
 )
@@ -64,6 +66,9 @@ class TransferRegistry:
         self._unfinished: set[Transfer] = set()
         self._transfers: OrderedDict[str, Transfer] = OrderedDict()
         self.accepting = True
+        #: Tells a transfer's peer that it ended here (why), where nothing else will: the
+        #: parts of an offer that ended (``_ended_family``). Set by the coordinator.
+        self.tell_peer: Callable[[Transfer, str], None] = lambda t, why: None
 
     def get(self, transfer_id: str) -> Transfer:
         """The transfer ``transfer_id``; raises TransferNotFoundError."""
@@ -192,6 +197,7 @@ class TransferRegistry:
         self._unfinished.discard(t)
         self._metrics.ended(t, error)
         self.tracing.end(t, error)
+        self._ended_family(t)
         role = t.role.name.lower()
         if error is None:
             log.info("transfer %s %s done: %d bytes in %.3fs", t.id, role, t.bytes_total,
@@ -199,6 +205,24 @@ class TransferRegistry:
         else:
             log.warning("transfer %s %s %s: %s", t.id, role, t.state.name, error,
                         extra=t.log_fields)
+
+    def _ended_family(self, t: Transfer) -> None:
+        """An offer pulled in parts that ends ends its parts still running; a part that fails
+        fails its offer (and so its other parts: the puller's request fails anyway), and the
+        last of its parts to end, every part taken, ends it."""
+        for child in t.children:
+            if not child.state.final:
+                why = f"its offer {t.id!r} ended: {t.state.name}"
+                self.finish(child, TransferAbortedError(why))
+                self.tell_peer(child, why)
+        parent = t.parent
+        if parent is None or parent.state.final:
+            return
+        if t.error is not None:
+            self.finish(parent, t.failure(""))
+        elif (len(parent.parts_taken) == parent.parts
+              and all(child.state.final for child in parent.children)):
+            self.finish(parent)
 
     def _publish(self, t: Transfer, quiet: Future[Any] | None = None) -> None:
         """Tell that ``t`` ended (once): its waiters, the completion log, its lease."""

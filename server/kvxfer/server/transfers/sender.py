@@ -31,6 +31,8 @@ from kvxfer.errors import (
     TransferExistsError,
 )
 from kvxfer.integrity import checksum
+from kvxfer.offer_parts import OfferPart, part_id
+from kvxfer.pages import PageRuns
 from kvxfer.server.peer_protocol import Claim, ClaimGrant, Commit, PullAsk, PushStarted
 from kvxfer.server.sessions import OutboundSession, Sessions
 from kvxfer.server.tls import Caller
@@ -38,7 +40,7 @@ from kvxfer.server.transfers.capability import not_open_to_caller, presents, sam
 from kvxfer.server.transfers.planning import plan_chunks
 from kvxfer.server.transfers.record import Transfer
 from kvxfer.server.transfers.registry import TransferRegistry
-from kvxfer.status import TransferRole
+from kvxfer.status import TransferRole, TransferState
 from kvxfer.transport import Transport
 
 
@@ -63,29 +65,41 @@ class Sender:
         offer names a peer, come from it: anything else is the same NOT_FOUND, at once. A
         prompt digest other than the offer's fails the transfer (PromptMismatchError). The
         offer's first ``request.skip_pages`` pages are not sent (fewer than it has, or
-        InvalidArgumentError and the capability stays unspent).
+        InvalidArgumentError and the capability stays unspent). A pull of a part of the offer
+        (``kvxfer.offer_parts``) takes that part once, as a transfer of its own; the
+        capability then stays good for the other parts.
 
         With a placement in the session we opened to ``reply_to`` (and a peer that does not
         read our memory), the chunks are planned and sent now, without a Claim, and the
         answer says how; otherwise (None) the push claims as any push does."""
-        t = self._registry.find(request.transfer_id)
-        if (t is None or t.role != TransferRole.SENDER or t.capability_spent
-                or not presents(request.capability, t.capability)
-                or (t.peer_identity and not caller.is_named(t.peer_identity))):
+        offer = self._registry.find(request.transfer_id)
+        if (offer is None or offer.role != TransferRole.SENDER or offer.capability_spent
+                or offer.parent is not None or request.part.index in offer.parts_taken
+                or not presents(request.capability, offer.capability)
+                or (offer.peer_identity and not caller.is_named(offer.peer_identity))):
             raise not_open_to_caller(request.transfer_id)
-        runs = t.runs.after(request.skip_pages)
-        t.capability_spent = True
-        if t.state.final:
-            raise t.failure(f"transfer {t.id!r} already ended")
-        if t.peer or t.task is not None:
-            raise TransferExistsError(f"transfer {t.id!r} is already being sent to {t.peer}")
-        if not same_prompt(request.prompt_digest, t.prompt_digest):
+        if offer.state.final:
+            raise offer.failure(f"transfer {offer.id!r} already ended")
+        if offer.peer or offer.task is not None:
+            raise TransferExistsError(f"transfer {offer.id!r} is already being sent to {offer.peer}")
+        if offer.parts != (request.part.count if request.part.shared else 0) and offer.parts:
+            raise InvalidArgumentError(
+                f"offer {offer.id!r} is being pulled in {offer.parts} parts; this pull asks for "
+                f"part {request.part.index} of {request.part.count or 1}")
+        runs = request.part.of(offer.runs, request.skip_pages)
+        if not same_prompt(request.prompt_digest, offer.prompt_digest):
             mismatch = PromptMismatchError(
-                f"transfer {t.id!r} holds KV computed from another prompt than the puller's "
-                f"(prompt digests {t.prompt_digest.hex()[:12] or 'none'} here, "
+                f"transfer {offer.id!r} holds KV computed from another prompt than the puller's "
+                f"(prompt digests {offer.prompt_digest.hex()[:12] or 'none'} here, "
                 f"{request.prompt_digest.hex()[:12] or 'none'} asked)")
-            self._registry.finish(t, mismatch)  # it keeps a copy without the traceback
+            offer.capability_spent = True
+            self._registry.finish(offer, mismatch)  # it keeps a copy without the traceback
             raise mismatch
+        t = offer
+        if request.part.shared:
+            t = self._take_part(offer, request.part, runs)
+        else:
+            offer.capability_spent = True
         t.peer, t.runs = request.reply_to, runs
         self._registry.tracing.join(t)
         session = self._sessions.open_outbound(t.peer)
@@ -102,6 +116,23 @@ class Sender:
             raise
         t.task = asyncio.create_task(self._placed(t, session, buffers), name=f"push {t.id}")
         return PushStarted(t.pool.name, t.runs, len(t.chunks), t.lanes, t.verify)
+
+    def _take_part(self, offer: Transfer, part: OfferPart, runs: PageRuns) -> Transfer:
+        """Register part ``part`` of ``offer`` (its pages ``runs``) as a transfer of its own
+        to send; the offer ends once every part has (``TransferRegistry.finish``)."""
+        child = self._registry.register(
+            part_id(offer.id, part.index), TransferRole.SENDER, offer.pool.name, runs,
+            max(offer.remaining(), 0.001), verify=offer.verify, disjoint=False,
+            capability=offer.capability)  # its claim presents it, as the offer's would
+        child.capability_spent = True
+        child.deadline = offer.deadline
+        child.parent = offer
+        offer.children.append(child)
+        offer.parts = part.count
+        offer.parts_taken.add(part.index)
+        if offer.state == TransferState.WAITING:
+            offer.begin((), 0)
+        return child
 
     async def _placed(self, t: Transfer, session: OutboundSession, buffers: list[Any]) -> None:
         """Finish a push that started from a pull's placement, under its session."""
