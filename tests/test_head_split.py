@@ -19,8 +19,8 @@ from kvxfer.client.engine_core.head_split import (
     HeadSplit,
     Source,
     pulled_ranks,
+    pullers,
     sources,
-    unsplittable,
 )
 from kvxfer.errors import IncompatibleLayoutError, InvalidSpecError
 from kvxfer.layout import MhaHeadMajorSpec, PoolLayout
@@ -54,13 +54,11 @@ def test_each_decode_rank_pulls_the_groups_it_owns_from_the_ranks_that_hold_them
         sources(HeadSplit(4, 1, 2), tp1, 0)
 
 
-def test_a_decode_engine_above_the_prefill_engines_tp_is_refused_naming_both() -> None:
-    assert unsplittable(HeadSplit(4, 2, 1), HeadSplit(4, 1, 1)) == ""
-    assert unsplittable(HeadSplit(4, 2, 2), HeadSplit(4, 2, 2)) == ""
-    why = unsplittable(HeadSplit(4, 1, 1), HeadSplit(4, 2, 1))
-    assert "decode TP 2 needs part of prefill rank 0's KV heads (of TP 1)" in why
-    assert "pages of 2, ours 4 into pages of 1" in unsplittable(HeadSplit(4, 2, 2),
-                                                              HeadSplit(4, 1, 1))
+def test_decode_ranks_that_pull_from_one_prefill_rank_share_its_transfer() -> None:
+    tp1, tp2 = HeadSplit(4, 1, 1), HeadSplit(4, 2, 1)
+    assert pullers(tp1, tp2, 0) == [0, 1]  # each its own part
+    assert pullers(tp2, tp1, 1) == [0]
+    assert pullers(HeadSplit(1, 1, 1), HeadSplit(1, 4, 1), 0) == [0, 1, 2, 3]  # replicated
 
 
 def rank_blocks(model: torch.Tensor, split: HeadSplit, rank: int, head_bytes: int) -> torch.Tensor:

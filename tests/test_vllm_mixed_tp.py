@@ -9,6 +9,8 @@ of what the prefill ranks computed, byte for byte. Real engines: ``tests/test_vl
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import time
 from typing import Any
 
@@ -16,12 +18,15 @@ import pytest
 import torch
 from test_vllm_connector import LAYOUT, MODEL, Request, settings, wait_finished
 
+from kvxfer.client.engine_core.head_split import Source
+from kvxfer.client.integrations.vllm import worker as worker_module
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
 from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
 from kvxfer.client.integrations.vllm.protocol import Refusal, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
+from kvxfer.errors import TransferNotFoundError
 from kvxfer.layout import MhaHeadMajorSpec
 
 NUM_BLOCKS = 16
@@ -98,11 +103,47 @@ class Pair:
             worker.shutdown()
 
 
+def hand_off_lands_heads(spawn: Any, pre: BlockLayout, dec: BlockLayout) -> bool:
+    """Prefill a prompt on ``pre``'s ranks, load it on ``dec``'s: whether every decode rank's
+    blocks hold exactly its heads of what the prefill ranks computed."""
+    pool = pool_flag(pre, "kv", 128)
+    daemons = spawn("prefill", [pool]), spawn("decode", [pool])
+    with KvxferClient(daemons[0].worker_address) as p:
+        pair = Pair(daemons, pre, dec, p)
+        src, dst = [2, 3, 5, 6], [7, 11, 1, 4]
+        pair.load("u", 120, dst, pair.prefill("t", 120, src))
+        landed = all(
+            torch.equal(as_tokens(kv[name][dst], dec), as_tokens(
+                pair.model_heads(pair.kv_p, pre, src, name)[
+                    :, rank * dec.model_kv_heads // dec.tp_size:][:, :dec.num_kv_heads], pre))
+            for name in pair.kv_p[0] for rank, kv in enumerate(pair.kv_d))
+        pair.close()
+        return landed
+
+
+def test_negative_control_pages_copied_among_the_wrong_heads_are_caught(spawn,
+                                                                        monkeypatch) -> None:
+    """``sources`` switched to place each prefill rank's pages at the decode rank's first
+    heads: the decode blocks then do not hold the model's heads (the check above fails)."""
+    real = worker_module.sources
+
+    def first_heads(prefill: Any, decode: Any, rank: int) -> list[Source]:
+        return [dataclasses.replace(s, places=tuple(range(len(s.places))))
+                for s in real(prefill, decode, rank)]
+
+    monkeypatch.setattr(worker_module, "sources", first_heads)
+    assert not hand_off_lands_heads(spawn, split(4, 2, 1), split(4, 1, 1))
+
+
 @pytest.mark.parametrize(("pre", "dec"), [
     (split(4, 2, 2), split(4, 1, 2)),                        # pages of a prefill rank's heads
     (split(4, 2, 1), split(4, 1, 1, 64)),                    # pages of one head; blocks 32 -> 64
     (split(4, 2, 1), split(4, 2, 1)),                        # the same TP, pages of one head
-], ids=["tp2-to-tp1", "tp2-to-tp1-one-head-pages-block64", "tp2-to-tp2-one-head-pages"])
+    (split(4, 1, 1), split(4, 2, 1)),                        # one transfer, a part per rank
+    (split(4, 1, 2), split(4, 2, 2, 64)),                    # parts of two-head pages, 32 -> 64
+    (split(1, 1, 1), split(1, 2, 1)),                        # one head, replicated on decode
+], ids=["tp2-to-tp1", "tp2-to-tp1-one-head-pages-block64", "tp2-to-tp2-one-head-pages",
+        "tp1-to-tp2", "tp1-to-tp2-block64", "tp1-to-tp2-replicated"])
 def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
         spawn, pre: BlockLayout, dec: BlockLayout) -> None:
     pool = pool_flag(pre, "kv", 128)
@@ -115,10 +156,16 @@ def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
         params = pair.prefill("t", 120, src)
         pair.load("u", 120, dst, params)
         for name in pair.kv_p[0]:
-            want = pair.model_heads(pair.kv_p, pre, src, name)
-            got = pair.model_heads(pair.kv_d, dec, dst, name)
-            assert torch.equal(as_tokens(got, dec), as_tokens(want, pre)), name
-        assert len(d.transfers()) == pre.tp_size  # one pull per prefill rank's transfer
+            model = pair.model_heads(pair.kv_p, pre, src, name)
+            for rank, kv in enumerate(pair.kv_d):  # every rank, replicas too
+                first = rank * dec.model_kv_heads // dec.tp_size
+                want = model[:, first:first + dec.num_kv_heads]
+                assert torch.equal(as_tokens(kv[name][dst], dec), as_tokens(want, pre)), name
+        pulls = max(pre.tp_size, dec.tp_size)  # one per prefill rank, or one per part of it
+        assert len(d.transfers()) == pulls, [i.transfer_id for i in d.transfers()]
+        deadline = time.monotonic() + 5.0  # releases run off the step
+        while {"kv": 0} != d.leased_pages() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert p.leased_pages() == {"kv": 0} and d.leased_pages() == {"kv": 0}
         pair.close()
 
@@ -133,17 +180,7 @@ def as_tokens(kv: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     return torch.stack([k.flatten(0, 1), v.flatten(0, 1)])
 
 
-def test_a_decode_engine_of_more_ranks_than_the_prefill_engine_is_refused_by_name() -> None:
-    """A transfer is pulled once, whole: TP 1 -> TP 2 would need two decode ranks to pull
-    parts of one transfer."""
-    params_of = split(4, 1, 1).page
-    refused = parse_remote_prefill(
-        {"do_remote_prefill": True, "kvxfer": {
-            "version": 4, "transfer_id": "P/x", "peer": "127.0.0.1:1",
-            "capabilities": ["0" * 32], "layout": params_of.as_dict(),
-            "model": dataclasses.asdict(MODEL)}}, split(4, 2, 1), MODEL)
-    assert isinstance(refused, Refusal) and refused.reason == "layout"
-    assert "decode TP 2 needs part of prefill rank 0's KV heads (of TP 1)" in refused.detail
+def test_pages_of_another_number_of_heads_are_refused_by_name() -> None:
     other_pages = parse_remote_prefill(
         {"do_remote_prefill": True, "kvxfer": {
             "version": 4, "transfer_id": "P/x", "peer": "127.0.0.1:1",
@@ -202,4 +239,41 @@ def test_one_failed_pull_fails_the_load_once_and_ends_its_other_pull(spawn) -> N
                 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert d.leased_pages() == {"kv": 0} and p.leased_pages() == {"kv": 0}
+        pair.close()
+
+
+def test_when_one_decode_rank_fails_its_part_the_other_ranks_part_is_aborted_at_once(
+        spawn) -> None:
+    """TP 1 -> 2: the ranks pull parts of one transfer. Rank 1's start is refused; rank 0's
+    pull, from a frozen prefill daemon, would wait for its 20 s deadline, but rank 1 aborts
+    it by its part's id: both ranks report the request failed within seconds."""
+    pre, dec = split(4, 1, 1), split(4, 2, 1)
+    pool = pool_flag(pre, "kv", 64)
+    daemons = spawn("prefill", [pool]), spawn("decode", [pool])
+    with KvxferClient(daemons[0].worker_address) as p, \
+            KvxferClient(daemons[1].worker_address) as d:
+        pair = Pair(daemons, pre, dec, p)
+        params = pair.prefill("t", 64, [2, 3])
+
+        def refused(request: Any) -> None:
+            raise TransferNotFoundError(f"{request.transfer_id} (this test's rank 1)")
+
+        pair.work_d[1]._loads._starts._start = refused  # type: ignore[method-assign]
+        request = Request("u", 64, params)
+        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
+        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
+        plan = pair.sched_d.build_plan({}, lambda _: [])
+        os.kill(daemons[0].pid, signal.SIGSTOP)
+        try:
+            for worker in pair.work_d:
+                worker.bind(plan)
+                worker.start_load_kv()
+            for worker in pair.work_d[::-1]:  # rank 1 steps first: its failure aborts rank 0's
+                wait_finished(worker, "u", timeout_s=5.0)
+                assert worker.take_failed() == {"u"}
+            [aborted] = d.transfers()
+            assert aborted.transfer_id == "P/t#0" and aborted.state.name == "ABORTED"
+            assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in aborted.error
+        finally:
+            os.kill(daemons[0].pid, signal.SIGCONT)
         pair.close()

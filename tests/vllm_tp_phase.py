@@ -3,11 +3,11 @@
 An engine of one rank (``narrow``, ``kv_both``, block 32) joins the TP 2 pair. Its daemon's
 pages hold one KV head, as the pair's do (the tiny model's two KV heads over two ranks), so
 it loads what the pair's prefill engine computed on two ranks (TP 2 -> 1): its one rank
-pulls both ranks' transfers and copies each among its heads. The pair's decode engine is
-then given what the narrow engine computed (TP 1 -> 2), which it refuses (``layout``: a
-transfer is pulled whole, once) and computes itself. Each answer is recorded with the plain
-answers of both engines (asked with a ``cache_salt``, so they neither hit nor fill the prefix
-cache) and the tokens each engine took from a transfer.
+pulls both ranks' transfers and copies each among its heads. The pair's decode engine then
+loads what the narrow engine computed (TP 1 -> 2): each of its ranks pulls its own part of
+the one transfer. Each answer is recorded with the plain answers of both engines (asked
+with a ``cache_salt``, so they neither hit nor fill the prefix cache), the tokens each
+engine took from a transfer and the transfers each daemon saw.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from kvxfer.client.integrations.vllm.deploy import Disaggregation, VllmServer
 PAGE_HEADS = 1
 #: vLLM's count of prompt tokens by where they came from.
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
-#: The prompts loaded TP 2 -> 1, and the one refused TP 1 -> 2.
-NARROWED, WIDENED = ("K0", "K1", "K2"), "K3"
+#: The prompts loaded TP 2 -> 1, and TP 1 -> 2.
+NARROWED, WIDENED = ("K0", "K1", "K2"), ("K3", "K4")
 
 
 def run(d: Disaggregation, model: str) -> dict[str, Any]:
@@ -52,11 +52,17 @@ def run(d: Disaggregation, model: str) -> dict[str, Any]:
     with KvxferClient(daemon.worker_address) as client:
         out["narrow_transfers"] = {i.transfer_id: [i.role.name, i.state.name, i.pages]
                                    for i in client.transfers()}
-    params = phase.prefilled(WIDENED, f"from-narrow-{WIDENED}", engine=narrow)
-    before = taken(d.decode)
-    out["widened"] = phase.direct(WIDENED, params, f"from-narrow-{WIDENED}")
-    out["widened"]["loaded"] = taken(d.decode) - before
-    for name in (*NARROWED, WIDENED):
+    out["widened"] = {}
+    for name in WIDENED:
+        params = phase.prefilled(name, f"from-narrow-{name}", engine=narrow)
+        before = taken(d.decode)
+        out["widened"][name] = phase.direct(name, params, f"from-narrow-{name}")
+        out["widened"][name]["loaded"] = taken(d.decode) - before
+    assert d.decode_daemon is not None
+    with KvxferClient(d.decode_daemon.worker_address) as client:
+        out["pair_transfers"] = {i.transfer_id: [i.role.name, i.state.name, i.pages]
+                                 for i in client.transfers() if "from-narrow" in i.transfer_id}
+    for name in (*NARROWED, *WIDENED):
         out["plain_narrow"][name] = plain(narrow, name)
         out["plain_pair"][name] = plain(d.decode, name)
     narrow.stop()  # the phases after it need the cores

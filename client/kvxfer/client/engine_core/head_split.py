@@ -10,7 +10,9 @@ groups in order: page ``t * groups + j`` holds token page ``t`` of the rank's gr
 
 A group's bytes are the same whichever rank holds them, so a decode rank pulls, from each
 prefill rank that holds some of its groups, the pages of those groups (``sources``), and
-copies each page into its place among its own heads. Two engines exchange KV this way when
+copies each page into its place among its own heads. Where several decode ranks pull from
+one prefill rank (``pullers``: a decode engine of more ranks), each pulls its own part of
+that rank's transfer. Two engines exchange KV this way when
 they agree on the model's heads and on ``page_heads`` (which must divide both sides' heads
 per rank: 1 always does).
 """
@@ -114,20 +116,8 @@ def pulled_ranks(prefill: HeadSplit, decode: HeadSplit) -> set[int]:
             for source in sources(prefill, decode, rank)}
 
 
-def unsplittable(prefill: HeadSplit, decode: HeadSplit) -> str:
-    """Why a decode engine split ``decode`` cannot load from a prefill engine split
-    ``prefill`` ("" when it can): a transfer is pulled once, whole (past its first token
-    pages), so every prefill rank's heads must lie within one decode rank's."""
-    if (prefill.num_kv_heads, prefill.page_heads) != (decode.num_kv_heads, decode.page_heads):
-        return (f"the prefill engine splits {prefill.num_kv_heads} KV heads into pages of "
-                f"{prefill.page_heads}, ours {decode.num_kv_heads} into pages of "
-                f"{decode.page_heads}")
-    pullers: dict[int, int] = {}
-    for rank in range(decode.tp_size):
-        for source in sources(prefill, decode, rank):
-            if not source.whole(prefill.groups) or pullers.setdefault(source.rank, rank) != rank:
-                return (f"decode TP {decode.tp_size} needs part of prefill rank {source.rank}'s "
-                        f"KV heads (of TP {prefill.tp_size}) on more than one rank; a transfer "
-                        "is pulled once, whole: the decode engine's TP must not exceed the "
-                        "prefill engine's")
-    return ""
+def pullers(prefill: HeadSplit, decode: HeadSplit, prefill_rank: int) -> list[int]:
+    """The decode ranks that pull from prefill rank ``prefill_rank``, ascending: with more
+    than one, each pulls its own part of that rank's transfer (``kvxfer.offer_parts``)."""
+    return [rank for rank in range(decode.tp_size)
+            if any(source.rank == prefill_rank for source in sources(prefill, decode, rank))]

@@ -29,7 +29,6 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kvxfer.client.engine_core.head_split import unsplittable
 from kvxfer.client.integrations.vllm.layout import BlockLayout, PageLayout
 from kvxfer.client.integrations.vllm.model_identity import FINGERPRINT_CHARS, ModelIdentity
 from kvxfer.errors import InvalidSpecError
@@ -170,9 +169,6 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
     if len(parsed.capabilities) != theirs.tp_size:
         return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
                                     f"entries; expected one per rank ({theirs.tp_size})")
-    unsupported = unsplittable(theirs.split, ours.page.split)
-    if unsupported:
-        return Refusal("layout", unsupported)
     return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs,
                          theirs_model)
 

@@ -45,7 +45,7 @@ import torch
 
 from kvxfer.client.engine_core.block_tiling import Places
 from kvxfer.client.engine_core.endings import Endings
-from kvxfer.client.engine_core.head_split import HeadSplit, sources
+from kvxfer.client.engine_core.head_split import HeadSplit, pullers, sources
 from kvxfer.client.engine_core.landings import Landed, Landings
 from kvxfer.client.engine_core.loads import PageLoads, PullEnd, failure_reason
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
@@ -66,10 +66,14 @@ from kvxfer.errors import (
     TransferAbortedError,
     TransferExistsError,
 )
+from kvxfer.offer_parts import OfferPart, part_id
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
+
+#: A pull of a whole transfer (past a prefix-cache hit).
+WHOLE_OFFER = OfferPart()
 
 
 Params = ParamSpec("Params")
@@ -107,15 +111,30 @@ class Loading:
 
 
 @dataclass(frozen=True)
-class Part:
-    """One pull of a load: from prefill rank ``rank``'s transfer, past its first
-    ``skip_pages``, and where its pages go."""
+class PlannedPull:
+    """One pull of a load: of prefill rank ``rank``'s transfer ``offer_id``, past its first
+    ``skip_pages`` or its part ``offer_part`` (shared with other decode ranks), where its pages
+    go, and its transfer id on our daemon."""
 
-    loading: Loading
     rank: int
-    transfer_id: str
+    offer_id: str
+    offer_part: OfferPart
     places: Places
     skip_pages: int
+
+    @property
+    def transfer_id(self) -> str:
+        """The pull's transfer id on our daemon."""
+        shared = self.offer_part.shared
+        return part_id(self.offer_id, self.offer_part.index) if shared else self.offer_id
+
+
+@dataclass(frozen=True)
+class Part:
+    """A pull in flight: the load it serves and what it pulls."""
+
+    loading: Loading
+    plan: PlannedPull
 
 
 class WorkerSide:
@@ -293,16 +312,24 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
                 self._fail(loading, f"{type(exc).__name__}: {exc}", failure_reason(exc))
 
-    def _parts(self, loading: Loading) -> list[Part]:
-        """``loading``'s pulls: one per prefill rank holding some of this rank's KV heads."""
-        load, ours = loading.load, self._layout.page.split
+    def _pulls(self, load: Load, rank: int) -> list[PlannedPull]:
+        """``load``'s pulls on decode rank ``rank``: one per prefill rank holding some of its
+        KV heads, all of that rank's transfer or, shared with other decode ranks, a part."""
+        ours = self._layout.page.split
         theirs = HeadSplit(ours.num_kv_heads, load.prefill_tp, ours.page_heads)
-        return [Part(loading, source.rank, rank_transfer(load.transfer_id, source.rank,
-                                                         load.prefill_tp),
-                     Places.of(load.block_ids, self._layout.token_pages_per_block,
-                               load.first_page, load.num_pages, source.places),
-                     load.first_page * theirs.groups)
-                for source in sources(theirs, ours, self._rank)]
+        parts = []
+        for source in sources(theirs, ours, rank):
+            offer = rank_transfer(load.transfer_id, source.rank, load.prefill_tp)
+            places = Places.of(load.block_ids, self._layout.token_pages_per_block,
+                               load.first_page, load.num_pages, source.places)
+            sharing = pullers(theirs, ours, source.rank)
+            whole = len(sharing) == 1 and source.whole(theirs.groups)
+            part = WHOLE_OFFER if whole else OfferPart(
+                sharing.index(rank), len(sharing), PageRuns.from_pages(
+                    source.offer_pages(theirs.groups, load.first_page, load.num_pages)))
+            parts.append(PlannedPull(source.rank, offer, part, places,
+                                     load.first_page * theirs.groups if whole else 0))
+        return parts
 
     def _start(self, loading: Loading) -> None:
         """Queue ``loading``'s pulls, into pages leased for each, through our mapping's memory
@@ -310,17 +337,17 @@ class WorkerSide:
         since). A transfer id this worker is still loading (params used twice) is refused."""
         load = loading.load
         loading.timeline.mark("started")
-        parts = self._parts(loading)
-        for part in parts:
-            self._loads.check_free(part.transfer_id)
+        plans = self._pulls(load, self._rank)
+        for plan in plans:
+            self._loads.check_free(plan.transfer_id)
         if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
             self._attach()
-        loading.parts = len(parts)
-        for part in parts:
+        loading.parts = len(plans)
+        for plan in plans:
             self._loads.start(
-                part, part.transfer_id, peer=load.peer, pool=self._settings.pool,
-                pages=len(part.places), skip_pages=part.skip_pages,
-                capability=load.capabilities[part.rank], prompt_digest=load.prompt_digest,
+                Part(loading, plan), plan.offer_id, peer=load.peer, pool=self._settings.pool,
+                pages=len(plan.places), skip_pages=plan.skip_pages, part=plan.offer_part,
+                capability=load.capabilities[plan.rank], prompt_digest=load.prompt_digest,
                 epoch=self._blocks.epoch, lease_s=self._settings.lease_s,
                 holder=f"vllm {self._engine_id}")
 
@@ -379,12 +406,13 @@ class WorkerSide:
                                 f"load's {end.pull.epoch[:12]}): its transfer is gone",
                        "DAEMON_RESTARTED")
             return
-        pages = list(end.pull.lease.runs.pages())[:len(part.places)]
+        places = part.plan.places
+        pages = list(end.pull.lease.runs.pages())[:len(places)]
         loading.timeline.pulled = max(loading.timeline.pulled, end.pull.returned_unix)
         loading.timeline.mark("ended")  # the last of its pulls to end sets it
         loading.copying += 1
         self._landings.submit((end, time.perf_counter() - end.pull.started),
-                              lambda: self._copy_in(rows, pages, part.places))
+                              lambda: self._copy_in(rows, pages, places))
 
     def _copy_in(self, rows: PagedBlocks, pages: list[int], places: Places) -> None:
         """The landing thread's copy; on a GPU it returns once the device finished it (the
@@ -421,14 +449,13 @@ class WorkerSide:
         load = loading.load
         self.load_failures[reason] += 1
         self.interval.count("failed_loads", reason)
-        ours = {part.transfer_id for part in self._loads.cancel(
-            lambda x: x.loading is loading, f"another pull of its load failed ({reason})")}
+        self._loads.cancel(lambda x: x.loading is loading,
+                           f"another pull of its load failed ({reason})")
         if reason not in ("REFUSED", TransferAbortedError.reason, TransferExistsError.reason):
-            for rank in range(load.prefill_tp):  # what the other ranks pull
-                transfer_id = rank_transfer(load.transfer_id, rank, load.prefill_tp)
-                if transfer_id not in ours:
-                    self._endings.abort_soon(transfer_id, f"rank {self._rank}'s load of it "
-                                                          f"failed ({reason})")
+            for rank in range(self._layout.tp_size):  # what the other ranks pull
+                for plan in self._pulls(load, rank) if rank != self._rank else ():
+                    self._endings.abort_soon(plan.transfer_id, f"rank {self._rank}'s load of "
+                                                               f"it failed ({reason})")
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
         self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
