@@ -6,7 +6,8 @@ than the prefill engine, each taking the pages of its own KV heads), each pulls 
 ``index`` of ``count``: the offer's pages ``pages`` (indices into its page sequence). Each
 part is pulled at most once; every puller names the same ``count``; the offer ends, its
 lease with it, once all ``count`` parts have ended. On both daemons a part is a transfer of
-its own, named ``part_id(offer, index)``.
+its own, named ``part_id(offer, index)`` (``#`` is reserved in the ids workers name); the
+offer itself then counts as a transfer that moved no bytes.
 """
 
 from __future__ import annotations
@@ -19,11 +20,21 @@ from kvxfer.pages import PageRuns
 
 #: The most parts one offer may be pulled in (the most pullers it may have).
 MAX_PARTS: Final = 64
+#: What separates an offer's id from a part's index; reserved in the ids workers name.
+PART_MARK: Final = "#"
 
 
 def part_id(offer_id: str, index: int) -> str:
     """The transfer id of part ``index`` of the offer ``offer_id``, on both daemons."""
-    return f"{offer_id}#{index}"
+    return f"{offer_id}{PART_MARK}{index}"
+
+
+def check_not_a_part(transfer_id: str) -> None:
+    """InvalidArgumentError if a worker's ``transfer_id`` holds ``PART_MARK`` (ids of parts
+    are the daemons' to make)."""
+    if PART_MARK in transfer_id:
+        raise InvalidArgumentError(f"transfer_id {transfer_id!r} holds {PART_MARK!r}, which is "
+                                   "reserved for the parts of offers (<offer id>#<index>)")
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,9 @@ class OfferPart:
         if skip_pages:
             raise InvalidArgumentError("skip_pages and part.pages both say which pages to "
                                        "take; give one")
+        if self.pages.num_pages > runs.num_pages:
+            raise InvalidArgumentError(f"part.pages name {self.pages.num_pages} pages; the offer "
+                                       f"has {runs.num_pages}")
         last = max(run.stop for run in self.pages.runs) - 1
         if last >= runs.num_pages:
             raise InvalidArgumentError(f"part.pages reach page {last} of the offer, which has "

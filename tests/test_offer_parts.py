@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from pool_checks import assert_moved, fill_random
 from test_transfers import SMALL
 
@@ -74,7 +75,9 @@ def test_a_part_is_pulled_once_and_every_puller_names_the_same_count(spawn) -> N
         assert d.wait("once#1").ok and p.wait("once").ok
 
 
-def test_a_failed_part_ends_the_offer_and_its_other_parts_at_once(spawn) -> None:
+def test_a_part_asked_with_another_prompts_digest_ends_the_offer_and_its_lease(spawn) -> None:
+    """(A part that fails once sent ends the offer and its other parts: the state-machine
+    scenario ``a_part_aborted_mid_transfer_ends_its_offer_and_the_other_part``.)"""
     pre, dec = spawn("prefill-failpart", [SMALL]), spawn("decode-failpart", [SMALL])
     with KvxferClient(pre.worker_address) as p, KvxferClient(dec.worker_address) as d:
         lease = p.allocate("kv", 4, 30)
@@ -92,3 +95,17 @@ def test_a_failed_part_ends_the_offer_and_its_other_parts_at_once(spawn) -> None
         ended = p.wait("fails", timeout_s=5)
         assert ended.state.name == "FAILED" and time.monotonic() - start < 5
         assert p.leased_pages() == {"kv": 0}
+
+
+def test_ids_with_the_part_mark_are_the_daemons_own(spawn) -> None:
+    pre = spawn("prefill-mark", [SMALL])
+    with KvxferClient(pre.worker_address) as p:
+        with pytest.raises(InvalidArgumentError, match="holds '#', which is reserved"):
+            p.offer("a#0", "kv", PageRuns.of([(0, 1)]), timeout_s=30)
+        assert p.transfers() == []
+        offered = p.offer("a", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
+        with KvxferClient(pre.worker_address) as again:
+            refused = again.pull("a", pre.peer_address, "kv", PageRuns.of([(9, 1)]),
+                                 timeout_s=30, capability=offered.capability, wait=True,
+                                 part=OfferPart(0, 2, PageRuns.of([(0, 1)] * 3)))
+        assert "part.pages name 3 pages; the offer has 2" in refused.error

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 from test_vllm_connector import LAYOUT, MODEL, Request, settings, wait_finished
 
 from kvxfer.client.engine_core.head_split import Source
+from kvxfer.client.engine_core.paged_blocks import PagedBlocks
 from kvxfer.client.integrations.vllm import worker as worker_module
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
 from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
@@ -217,9 +219,10 @@ def test_replicated_heads_are_pulled_once_and_the_other_offers_dropped(spawn) ->
 
 
 def test_one_failed_pull_fails_the_load_once_and_ends_its_other_pull(spawn) -> None:
-    """TP 2 -> TP 1, prefill rank 1's offer is gone (dropped before the pull): the decode
-    rank reports the request failed once, its pull of rank 0's transfer ends, and no page
-    stays leased on either daemon."""
+    """TP 2 -> TP 1: the start of the pull of prefill rank 1's transfer is refused while the
+    pull of rank 0's waits on a frozen prefill daemon (for its 20 s deadline): the decode
+    rank reports the request failed once, within seconds, ends the other pull at once, and
+    no page stays leased."""
     pre, dec = split(4, 2, 2), split(4, 1, 2)
     pool = pool_flag(pre, "kv", 64)
     daemons = spawn("prefill", [pool]), spawn("decode", [pool])
@@ -227,18 +230,35 @@ def test_one_failed_pull_fails_the_load_once_and_ends_its_other_pull(spawn) -> N
             KvxferClient(daemons[1].worker_address) as d:
         pair = Pair(daemons, pre, dec, p)
         params = pair.prefill("t", 64, [2, 3])
-        holds = parse_remote_prefill(params, dec, MODEL)
-        assert not isinstance(holds, Refusal) and holds is not None
-        assert p.drop_offers(daemons[0].peer_address, holds.holds({1}), "this test") == 1
-        pair.load("u", 64, [4, 9], params)
-        assert pair.work_d[0].take_failed() == {"u"}
-        time.sleep(0.5)
-        assert pair.work_d[0].get_finished() == set()  # reported once
-        deadline = time.monotonic() + 5.0
-        while ({"kv": 0} != d.leased_pages() or {"kv": 0} != p.leased_pages()) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert d.leased_pages() == {"kv": 0} and p.leased_pages() == {"kv": 0}
+        starts = pair.work_d[0]._loads._starts
+        start = starts._start
+
+        def refused(request: Any) -> Any:
+            if request.transfer_id.endswith("/tp1"):
+                raise TransferNotFoundError(f"{request.transfer_id} (this test)")
+            return start(request)
+
+        starts._start = refused  # type: ignore[method-assign]
+        request = Request("u", 64, params)
+        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
+        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
+        worker = pair.work_d[0]
+        os.kill(daemons[0].pid, signal.SIGSTOP)
+        try:
+            worker.bind(pair.sched_d.build_plan({}, lambda _: []))
+            worker.start_load_kv()
+            wait_finished(worker, "u", timeout_s=5.0)
+            assert worker.take_failed() == {"u"}
+            deadline = time.monotonic() + 5.0  # the other pull ends, its lease released
+            while d.leased_pages() != {"kv": 0} and time.monotonic() < deadline:
+                worker.get_finished()
+                time.sleep(0.05)
+            assert d.leased_pages() == {"kv": 0}
+            [other] = d.transfers()
+            assert other.transfer_id == "P/t/tp0" and other.state.name == "ABORTED"
+            assert worker.get_finished() == set()  # reported once
+        finally:
+            os.kill(daemons[0].pid, signal.SIGCONT)
         pair.close()
 
 
@@ -276,4 +296,56 @@ def test_when_one_decode_rank_fails_its_part_the_other_ranks_part_is_aborted_at_
             assert "rank 1's load of it failed (TRANSFER_NOT_FOUND)" in aborted.error
         finally:
             os.kill(daemons[0].pid, signal.SIGCONT)
+        pair.close()
+
+
+def test_a_load_whose_copy_fails_after_its_other_pull_failed_is_still_reported(
+        spawn, monkeypatch) -> None:
+    """TP 2 -> TP 1: rank 0's transfer lands and its copy-in starts (held); then the start of
+    the pull of rank 1's is refused (the load fails, but a copy still runs, so it is not
+    reported yet); then the copy fails. The load is reported failed, once."""
+    pre, dec = split(4, 2, 2), split(4, 1, 2)
+    pool = pool_flag(pre, "kv", 64)
+    daemons = spawn("prefill", [pool]), spawn("decode", [pool])
+    entered, proceed = threading.Event(), threading.Event()
+
+    def failing_copy(self: Any, *args: Any) -> None:
+        entered.set()
+        proceed.wait(10.0)
+        raise RuntimeError("this test's copy-in fails")
+
+    monkeypatch.setattr(PagedBlocks, "copy_in", failing_copy)
+    with KvxferClient(daemons[0].worker_address) as p:
+        pair = Pair(daemons, pre, dec, p)
+        params = pair.prefill("t", 64, [2, 3])
+        worker = pair.work_d[0]
+        start = worker._loads._starts._start
+
+        def late_refusal(request: Any) -> Any:
+            if request.transfer_id.endswith("/tp1"):
+                entered.wait(10.0)
+                raise TransferNotFoundError(f"{request.transfer_id} (this test)")
+            return start(request)
+
+        worker._loads._starts._start = late_refusal  # type: ignore[method-assign]
+        request = Request("u", 64, params)
+        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
+        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
+        worker.bind(pair.sched_d.build_plan({}, lambda _: []))
+        worker.start_load_kv()
+        deadline = time.monotonic() + 10.0
+        while not worker.load_failures["TRANSFER_NOT_FOUND"]:  # the other pull fails
+            assert "u" not in worker.get_finished()
+            assert time.monotonic() < deadline, "the refused start never ended"
+            time.sleep(0.02)
+        for _ in range(10):  # its copy still runs: not reported
+            assert "u" not in worker.get_finished(), "reported while its copy still ran"
+            time.sleep(0.02)
+        proceed.set()
+        while "u" not in worker.get_finished():
+            assert time.monotonic() < deadline, "the load was never reported"
+            time.sleep(0.02)
+        assert worker.take_failed() == {"u"}
+        time.sleep(0.2)
+        assert worker.get_finished() == set()  # once
         pair.close()

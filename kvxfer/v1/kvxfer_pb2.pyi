@@ -454,9 +454,11 @@ Global___PageRun: _TypeAlias = PageRun  # noqa: Y015
 class OfferPart(_message.Message):
     """Which of an offer's pages a pull takes. With count above 1, several pullers share the
     offer (at most 64), each pulling its own part ``index`` (once) and naming the same count;
-    the offer ends, its lease with it, once every part has ended; each part is a transfer of
-    its own, ``<offer id>#<index>``, on both daemons. ``pages``: the offer's pages it takes
-    (indices into the offer's page sequence, in order; empty: every one, or from skip_pages on).
+    the offer ends, its lease with it, once every part has ended, or at once when one fails;
+    each part is a transfer of its own, ``<offer id>#<index>``, on both daemons (``#`` is
+    reserved in the ids workers name), and the offer counts as a transfer that moved no
+    bytes. ``pages``: the offer's pages it takes (indices into the offer's page sequence, in
+    order; empty: every one, or from skip_pages on).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -465,9 +467,13 @@ class OfferPart(_message.Message):
     COUNT_FIELD_NUMBER: _builtins.int
     PAGES_FIELD_NUMBER: _builtins.int
     index: _builtins.int
+    """this pull's part, below count"""
     count: _builtins.int
+    """how many parts the offer is pulled in (0 or 1: once, whole)"""
     @_builtins.property
-    def pages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
+    def pages(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]:
+        """the offer's pages it takes, by index into the offer's pages"""
+
     def __init__(
         self,
         *,
@@ -1039,15 +1045,17 @@ class PullRequest(_message.Message):
     prompt_digest: _builtins.bytes
     """must equal the offer's (empty: the offer's must be empty too)"""
     skip_pages: _builtins.int
-    """the offer's first pages not to move (the puller holds their"""
+    """The offer's first pages not to move (the puller holds their KV already): dst_runs
+    receive its pages from this one on.
+    """
     @_builtins.property
     def dst_runs(self) -> _containers.RepeatedCompositeFieldContainer[Global___PageRun]: ...
     @_builtins.property
     def lease(self) -> Global___LeaseUse: ...
     @_builtins.property
     def part(self) -> Global___OfferPart:
-        """KV already): dst_runs receive its pages from this one on
-        which part of the offer (unset: all of it, pulled once); with
+        """Which part of the offer (unset: all of it, pulled once); with a count above 1 the pull
+        is registered as <transfer_id>#<index>.
         """
 
     def __init__(

@@ -28,7 +28,7 @@ from kvxfer.errors import (
     TransferDeadlineError,
     TransferNotFoundError,
 )
-from kvxfer.offer_parts import OfferPart, part_id
+from kvxfer.offer_parts import OfferPart, check_not_a_part, part_id
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
@@ -115,6 +115,7 @@ class TransferCoordinator:
         """Register destination pages for ``transfer_id`` (decode side), to be filled by
         the push that presents the capability minted now (``Transfer.capability``) and,
         with ``peer_identity``, comes from that peer."""
+        check_not_a_part(transfer_id)
         return self._register(transfer_id, TransferRole.RECEIVER, pool, dst_runs, timeout_s,
                               disjoint=True, lease=lease, peer_identity=peer_identity,
                               capability=secrets.token_hex(CAPABILITY_BYTES))
@@ -124,6 +125,7 @@ class TransferCoordinator:
              capability: str = "") -> Transfer:
         """Send source pages of ``transfer_id`` to the daemon at ``peer`` (prefill side),
         presenting the ``capability`` its expect's answer told."""
+        check_not_a_part(transfer_id)
         _check_counterpart(peer, "decode", capability, "a push presents its expect's capability "
                            "(the decode daemon's answer to the Expect holds it)")
         t = self._register(transfer_id, TransferRole.SENDER, pool, src_runs, timeout_s,
@@ -139,6 +141,7 @@ class TransferCoordinator:
         """Make source pages available for the ``pull`` of the peer named ``peer_identity``
         (empty: of any admitted peer) that presents the offer's capability (the lease's, or
         one minted now) and ``prompt_digest`` (prefill side)."""
+        check_not_a_part(transfer_id)
         check_digest(prompt_digest)
         held = self.leases.get(lease.lease_id) if lease.lease_id else None
         capability = secrets.token_hex(CAPABILITY_BYTES)
@@ -161,6 +164,7 @@ class TransferCoordinator:
         computed from; with ``peer_identity``, only that peer's session may fill it. The
         offer's first ``skip_pages`` pages are not moved: ``dst_runs`` get the rest; with a
         ``part``, its pages (shared by several pullers: registered as ``part_id``)."""
+        check_not_a_part(transfer_id)
         _check_counterpart(peer, "prefill", capability, "a pull presents its offer's capability "
                            "(the offer's or its lease's answer holds it)")
         check_digest(prompt_digest)

@@ -57,6 +57,7 @@ from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.client.integrations.vllm.stats import IntervalStats, empty_figures, merge
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
+from kvxfer.errors import InvalidSpecError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,6 +107,9 @@ def block_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     cache = vllm_config.cache_config
+    if getattr(model, "use_mla", False):
+        raise InvalidSpecError("MLA models (one latent per token, replicated on every rank) are "
+                               "not supported by the kvxfer connector yet")
     dtype = model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
     return BlockLayout(
         dtype=str(dtype).removeprefix("torch."), block_size=int(cache.block_size),

@@ -67,6 +67,12 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
+def transfer_name(request_id: str) -> str:
+    """``request_id`` as part of a transfer id: ``#`` (which the daemons reserve for the
+    parts of offers) and ``%`` escaped, so that two request ids stay two names."""
+    return request_id.replace("%", "%25").replace("#", "%23")
+
+
 class SchedulerSide:
     """Plans saves (prefill) and loads (decode) step by step."""
 
@@ -250,7 +256,7 @@ class SchedulerSide:
         num_pages = (math.ceil(request.num_prompt_tokens / self._layout.page_size)
                      * self._layout.groups)
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
-        transfer_id = f"{self._engine_id}/{request.request_id}"
+        transfer_id = f"{self._engine_id}/{transfer_name(request.request_id)}"
         leases: list[LeaseInfo] = []
         try:
             for rank in range(self._layout.tp_size):

@@ -410,9 +410,9 @@ class WorkerSide:
         pages = list(end.pull.lease.runs.pages())[:len(places)]
         loading.timeline.pulled = max(loading.timeline.pulled, end.pull.returned_unix)
         loading.timeline.mark("ended")  # the last of its pulls to end sets it
-        loading.copying += 1
         self._landings.submit((end, time.perf_counter() - end.pull.started),
                               lambda: self._copy_in(rows, pages, places))
+        loading.copying += 1
 
     def _copy_in(self, rows: PagedBlocks, pages: list[int], places: Places) -> None:
         """The landing thread's copy; on a GPU it returns once the device finished it (the
@@ -445,6 +445,7 @@ class WorkerSide:
         (no transfer exists) or a transfer id already being loaded (the transfers are another
         request's). Reported once no copy of it runs."""
         if loading.outcome is not None:
+            self._settle(loading, None)  # a copy that just ended may have been the last
             return
         load = loading.load
         self.load_failures[reason] += 1
@@ -452,15 +453,25 @@ class WorkerSide:
         self._loads.cancel(lambda x: x.loading is loading,
                            f"another pull of its load failed ({reason})")
         if reason not in ("REFUSED", TransferAbortedError.reason, TransferExistsError.reason):
-            for rank in range(self._layout.tp_size):  # what the other ranks pull
-                for plan in self._pulls(load, rank) if rank != self._rank else ():
-                    self._endings.abort_soon(plan.transfer_id, f"rank {self._rank}'s load of "
-                                                               f"it failed ({reason})")
+            self._abort_siblings(load, reason)
         log.error("request %s: KV load of %s failed, the request is reported failed: %s",
                   load.req_id, load.transfer_id, why)
         self._stats.record(role="decode", transfer_id=load.transfer_id, req_id=load.req_id,
                            rank=self._rank, ok=False, error=why)
         self._settle(loading, (why, reason))
+
+    def _abort_siblings(self, load: Load, reason: str) -> None:
+        """Abort the pulls the other ranks make for ``load`` (on our daemon, which is theirs)."""
+        try:
+            siblings = [plan.transfer_id for rank in range(self._layout.tp_size)
+                        if rank != self._rank for plan in self._pulls(load, rank)]
+        except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
+            log.error("request %s: could not tell which transfers the other ranks pull (%s: "
+                      "%s); they end at their deadline", load.req_id, type(exc).__name__, exc)
+            return
+        for transfer_id in siblings:
+            self._endings.abort_soon(transfer_id, f"rank {self._rank}'s load of it failed "
+                                                  f"({reason})")
 
     def _settle(self, loading: Loading, outcome: tuple[str, str] | None) -> None:
         """Record ``outcome`` (first one wins) and report the load once no copy of it runs:
