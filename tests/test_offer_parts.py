@@ -100,8 +100,17 @@ def test_a_part_asked_with_another_prompts_digest_ends_the_offer_and_its_lease(s
 def test_ids_with_the_part_mark_are_the_daemons_own(spawn) -> None:
     pre = spawn("prefill-mark", [SMALL])
     with KvxferClient(pre.worker_address) as p:
-        with pytest.raises(InvalidArgumentError, match="holds '#', which is reserved"):
+        reserved = "holds '#', which is reserved"
+        with pytest.raises(InvalidArgumentError, match=reserved):
             p.offer("a#0", "kv", PageRuns.of([(0, 1)]), timeout_s=30)
+        with pytest.raises(InvalidArgumentError, match=reserved):
+            p.expect("a#1", "kv", PageRuns.of([(1, 1)]), timeout_s=30)
+        with pytest.raises(InvalidArgumentError, match=reserved):
+            p.pull("a#2", pre.peer_address, "kv", PageRuns.of([(2, 1)]), timeout_s=30,
+                   capability="0" * 32)
+        with pytest.raises(InvalidArgumentError, match=reserved):
+            p.push("a#3", "kv", PageRuns.of([(3, 1)]), pre.peer_address, timeout_s=30,
+                   capability="0" * 32)
         assert p.transfers() == []
         offered = p.offer("a", "kv", PageRuns.of([(0, 2)]), timeout_s=30)
         with KvxferClient(pre.worker_address) as again:

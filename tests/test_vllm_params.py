@@ -31,7 +31,7 @@ from kvxfer.client.integrations.vllm.protocol import (
     RemotePrefill,
     parse_remote_prefill,
 )
-from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
+from kvxfer.client.integrations.vllm.scheduler import SchedulerSide, transfer_name
 from kvxfer.client.integrations.vllm.settings import load_settings
 from kvxfer.errors import InvalidSpecError
 
@@ -46,7 +46,8 @@ MODEL_KEYS = ("fingerprint", "name", "vllm_version")
 TOP_KEYS = ("version", "transfer_id", "peer", "capabilities", "layout", "model")
 fingerprints = st.text("0123456789abcdef", min_size=32, max_size=32)
 
-transfer_ids = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=64)
+transfer_ids = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E, exclude_characters="#"),
+                       min_size=1, max_size=64)
 peers = st.one_of(
     st.tuples(st.from_regex(r"[a-z0-9][a-z0-9.-]{0,20}", fullmatch=True), st.integers(0, 65535))
     .map(lambda hp: f"{hp[0]}:{hp[1]}"),
@@ -59,7 +60,7 @@ not_int = st.one_of(st.text(max_size=5), st.floats(allow_nan=False), st.booleans
                     st.lists(st.integers(), max_size=2))
 bad_transfer_ids = st.one_of(st.just(""), st.text(min_size=1, max_size=8).map(lambda t: t + " x"),
                              st.text(st.characters(min_codepoint=0x80), min_size=1, max_size=8),
-                             st.just("a" * 257))
+                             st.just("a" * 241), st.just("P/r#0"))
 bad_peers = st.one_of(st.just(""), st.just("host"), st.just("host:"), st.just(":80"),
                       st.just("a b:80"), st.just("host:123456"), st.text(max_size=8).map(lambda t: t + "/x:1"))
 
@@ -289,3 +290,13 @@ def test_negative_control_a_lenient_reading_lets_one_request_raise_into_the_sche
                            client=None)
     with pytest.raises(TypeError):
         decode.get_num_new_matched_tokens(Request("x", 10, {"do_remote_prefill": True, "kvxfer": "x" * 8}), 0)
+
+
+def test_request_ids_become_transfer_names_that_stay_distinct_and_short() -> None:
+    """``#`` is the daemons' (parts of offers); ``%`` escapes; a long id is hashed."""
+    assert transfer_name("cmpl-1") == "cmpl-1"
+    assert transfer_name("a#0") == "a%230" != transfer_name("a%230") == "a%25230"
+    assert "#" not in transfer_name("#" * 50)
+    long = transfer_name("x" * 300)
+    assert long.startswith("sha256-") and len(long) == 71 and long != transfer_name("x" * 301)
+    assert len(transfer_name("#" * 99)) == 71  # escaping past the limit hashes too

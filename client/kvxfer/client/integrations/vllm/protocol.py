@@ -39,8 +39,9 @@ from kvxfer.status import OfferHold
 #: fingerprint, block by block; v3 compared pages, so engines of other block sizes load; v4
 #: pages of a number of the model's KV heads, so engines of other TP sizes load).
 PARAMS_VERSION: Final = 4
-#: A transfer id: printable ASCII without spaces (what the daemon's limits accept).
-TRANSFER_ID_PATTERN = r"^[!-~]{1,256}$"
+#: A transfer id: printable ASCII without spaces or ``#`` (reserved for the parts of offers),
+#: short enough for the daemon's limit (256) with a rank's and a part's suffixes.
+TRANSFER_ID_PATTERN = r'^[!-"$-~]{1,240}$'
 #: A daemon's peer address: ``host:port`` with a DNS name, IPv4 or bracketed IPv6 host.
 PEER_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$"
 #: An offer's capability: 128 random bits in hex (``kvxfer.server.leases``).
@@ -157,6 +158,9 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
         theirs.split  # noqa: B018 - validates how their heads split over their ranks
     except InvalidSpecError as exc:
         return Refusal("malformed", f"kvxfer.layout: {exc}")
+    if len(parsed.capabilities) != theirs.tp_size:
+        return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
+                                    f"entries; expected one per rank ({theirs.tp_size})")
     differences = ours.differences(theirs)
     if differences:
         return Refusal("layout", "the prefill engine's page layout differs from ours: "
@@ -166,9 +170,6 @@ def parse_remote_prefill(params: Any, ours: BlockLayout,
         return Refusal("model", f"the prefill engine ran another model: fingerprint "
                                 f"{theirs_model.fingerprint} ({theirs_model.name!r}), ours "
                                 f"{our_model.fingerprint} ({our_model.name!r})")
-    if len(parsed.capabilities) != theirs.tp_size:
-        return Refusal("malformed", f"kvxfer.capabilities has {len(parsed.capabilities)} "
-                                    f"entries; expected one per rank ({theirs.tp_size})")
     return RemotePrefill(parsed.transfer_id, parsed.peer, tuple(parsed.capabilities), theirs,
                          theirs_model)
 

@@ -33,6 +33,7 @@ exception from here reaches vLLM's scheduler loop.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -67,10 +68,19 @@ log = logging.getLogger("kvxfer.integrations.vllm")
 FINISHED_NORMALLY = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
-def transfer_name(request_id: str) -> str:
-    """``request_id`` as part of a transfer id: ``#`` (which the daemons reserve for the
-    parts of offers) and ``%`` escaped, so that two request ids stay two names."""
-    return request_id.replace("%", "%25").replace("#", "%23")
+#: The longest name ``transfer_name`` gives (a transfer id is an engine id, ``/``, a name,
+#: and the daemons' suffixes, within ``protocol.TRANSFER_ID_PATTERN``).
+MAX_NAME_CHARS = 100
+
+
+def transfer_name(name: str) -> str:
+    """An engine's or request's id as part of a transfer id: ``#`` (which the daemons reserve
+    for the parts of offers) and ``%`` escaped, so that two ids stay two names; a longer
+    one than ``MAX_NAME_CHARS`` by its SHA-256 (hex, 64 characters)."""
+    escaped = name.replace("%", "%25").replace("#", "%23")
+    if len(escaped) <= MAX_NAME_CHARS:
+        return escaped
+    return "sha256-" + hashlib.sha256(name.encode()).hexdigest()
 
 
 class SchedulerSide:
@@ -256,7 +266,7 @@ class SchedulerSide:
         num_pages = (math.ceil(request.num_prompt_tokens / self._layout.page_size)
                      * self._layout.groups)
         num_blocks = math.ceil(request.num_prompt_tokens / self._layout.block_size)
-        transfer_id = f"{self._engine_id}/{transfer_name(request.request_id)}"
+        transfer_id = f"{transfer_name(self._engine_id)}/{transfer_name(request.request_id)}"
         leases: list[LeaseInfo] = []
         try:
             for rank in range(self._layout.tp_size):
