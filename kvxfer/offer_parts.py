@@ -76,3 +76,7 @@ class OfferPart:
                                        f"{runs.num_pages} pages (0 to {runs.num_pages - 1})")
         offered = list(runs.pages())
         return PageRuns.from_pages(offered[k] for k in self.pages.pages())
+
+
+#: A pull of a whole offer (or of its pages from ``skip_pages`` on), once.
+WHOLE_OFFER: Final = OfferPart()

@@ -24,7 +24,7 @@ from kvxfer.client.engine_core.paged_blocks import PagedBlocks
 from kvxfer.client.integrations.vllm import worker as worker_module
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
 from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
-from kvxfer.client.integrations.vllm.protocol import Refusal, parse_remote_prefill
+from kvxfer.client.integrations.vllm.protocol import Refusal, StepPlan, parse_remote_prefill
 from kvxfer.client.integrations.vllm.scheduler import SchedulerSide
 from kvxfer.client.integrations.vllm.worker import WorkerSide
 from kvxfer.client.library import KvxferClient
@@ -81,12 +81,17 @@ class Pair:
         assert params is not None
         return params
 
-    def load(self, req_id: str, tokens: int, blocks: list[int], params: dict[str, Any]) -> None:
+    def plan_load(self, req_id: str, tokens: int, blocks: list[int],
+                  params: dict[str, Any]) -> StepPlan:
+        """The decode scheduler's plan of a load of ``params`` into ``blocks``."""
         request = Request(req_id, tokens, params)
         self.sched_d.on_new_request(request)
         assert self.sched_d.get_num_new_matched_tokens(request, 0) == (tokens, True)
         self.sched_d.update_state_after_alloc(request, blocks, tokens)
-        plan = self.sched_d.build_plan({}, lambda _: [])
+        return self.sched_d.build_plan({}, lambda _: [])
+
+    def load(self, req_id: str, tokens: int, blocks: list[int], params: dict[str, Any]) -> None:
+        plan = self.plan_load(req_id, tokens, blocks, params)
         for worker in self.work_d:
             worker.bind(plan)
             worker.start_load_kv()
@@ -99,6 +104,17 @@ class Pair:
         ranks replicate, once)."""
         step = max(1, layout.tp_size // layout.model_kv_heads)
         return torch.cat([ranks[r][name][blocks] for r in range(0, layout.tp_size, step)], 1)
+
+    def holds_model_heads(self, src: list[int], dst: list[int]) -> bool:
+        """Whether every decode rank's blocks ``dst`` hold exactly its heads (replicas too)
+        of what the prefill ranks computed in blocks ``src``."""
+        dec = self.dec
+        return all(
+            torch.equal(as_tokens(kv[name][dst], dec), as_tokens(
+                self.model_heads(self.kv_p, self.pre, src, name)[
+                    :, rank * dec.model_kv_heads // dec.tp_size:][:, :dec.num_kv_heads],
+                self.pre))
+            for name in self.kv_p[0] for rank, kv in enumerate(self.kv_d))
 
     def close(self) -> None:
         for worker in [*self.work_p, *self.work_d]:
@@ -114,11 +130,7 @@ def hand_off_lands_heads(spawn: Any, pre: BlockLayout, dec: BlockLayout) -> bool
         pair = Pair(daemons, pre, dec, p)
         src, dst = [2, 3, 5, 6], [7, 11, 1, 4]
         pair.load("u", 120, dst, pair.prefill("t", 120, src))
-        landed = all(
-            torch.equal(as_tokens(kv[name][dst], dec), as_tokens(
-                pair.model_heads(pair.kv_p, pre, src, name)[
-                    :, rank * dec.model_kv_heads // dec.tp_size:][:, :dec.num_kv_heads], pre))
-            for name in pair.kv_p[0] for rank, kv in enumerate(pair.kv_d))
+        landed = pair.holds_model_heads(src, dst)
         pair.close()
         return landed
 
@@ -155,14 +167,8 @@ def test_each_decode_rank_gets_its_heads_from_the_prefill_ranks_that_hold_them(
             KvxferClient(daemons[1].worker_address) as d:
         pair = Pair(daemons, pre, dec, p)
         src, dst = [2, 3, 5, 6], [7, 11] if dec.block_size == 64 else [7, 11, 1, 4]
-        params = pair.prefill("t", 120, src)
-        pair.load("u", 120, dst, params)
-        for name in pair.kv_p[0]:
-            model = pair.model_heads(pair.kv_p, pre, src, name)
-            for rank, kv in enumerate(pair.kv_d):  # every rank, replicas too
-                first = rank * dec.model_kv_heads // dec.tp_size
-                want = model[:, first:first + dec.num_kv_heads]
-                assert torch.equal(as_tokens(kv[name][dst], dec), as_tokens(want, pre)), name
+        pair.load("u", 120, dst, pair.prefill("t", 120, src))
+        assert pair.holds_model_heads(src, dst)
         pulls = max(pre.tp_size, dec.tp_size)  # one per prefill rank, or one per part of it
         assert len(d.transfers()) == pulls, [i.transfer_id for i in d.transfers()]
         deadline = time.monotonic() + 5.0  # releases run off the step
@@ -239,13 +245,11 @@ def test_one_failed_pull_fails_the_load_once_and_ends_its_other_pull(spawn) -> N
             return start(request)
 
         starts._start = refused  # type: ignore[method-assign]
-        request = Request("u", 64, params)
-        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
-        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
+        plan = pair.plan_load("u", 64, [4, 9], params)
         worker = pair.work_d[0]
         os.kill(daemons[0].pid, signal.SIGSTOP)
         try:
-            worker.bind(pair.sched_d.build_plan({}, lambda _: []))
+            worker.bind(plan)
             worker.start_load_kv()
             wait_finished(worker, "u", timeout_s=5.0)
             assert worker.take_failed() == {"u"}
@@ -279,10 +283,7 @@ def test_when_one_decode_rank_fails_its_part_the_other_ranks_part_is_aborted_at_
             raise TransferNotFoundError(f"{request.transfer_id} (this test's rank 1)")
 
         pair.work_d[1]._loads._starts._start = refused  # type: ignore[method-assign]
-        request = Request("u", 64, params)
-        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
-        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
-        plan = pair.sched_d.build_plan({}, lambda _: [])
+        plan = pair.plan_load("u", 64, [4, 9], params)
         os.kill(daemons[0].pid, signal.SIGSTOP)
         try:
             for worker in pair.work_d:
@@ -328,10 +329,7 @@ def test_a_load_whose_copy_fails_after_its_other_pull_failed_is_still_reported(
             return start(request)
 
         worker._loads._starts._start = late_refusal  # type: ignore[method-assign]
-        request = Request("u", 64, params)
-        assert pair.sched_d.get_num_new_matched_tokens(request, 0) == (64, True)
-        pair.sched_d.update_state_after_alloc(request, [4, 9], 64)
-        worker.bind(pair.sched_d.build_plan({}, lambda _: []))
+        worker.bind(pair.plan_load("u", 64, [4, 9], params))
         worker.start_load_kv()
         deadline = time.monotonic() + 10.0
         while not worker.load_failures["TRANSFER_NOT_FOUND"]:  # the other pull fails

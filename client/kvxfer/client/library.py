@@ -29,7 +29,7 @@ from kvxfer.client.health_probe import health_check
 from kvxfer.descriptor import PoolDescriptor
 from kvxfer.layout import PoolViews
 from kvxfer.memory import Mapping, MemoryHandle, attach
-from kvxfer.offer_parts import OfferPart
+from kvxfer.offer_parts import WHOLE_OFFER, OfferPart
 from kvxfer.pages import Extent, PageRuns
 from kvxfer.propagation import WORKER_NAME_KEY, outgoing_metadata
 from kvxfer.status import (
@@ -265,7 +265,7 @@ class KvxferClient:
              timeout_s: float = 0.0, *, lease_id: str = "",
              release_lease: bool = False, peer_identity: str = "",
              arena_epoch: str = "", capability: str = "", prompt_digest: bytes = b"",
-             skip_pages: int = 0, part: OfferPart | None = None,
+             skip_pages: int = 0, part: OfferPart = WHOLE_OFFER,
              wait: bool = False) -> TransferInfo:
         """Fetch ``transfer_id`` offered by the prefill daemon at ``peer`` (decode side),
         presenting the offer's ``capability`` and ``prompt_digest`` (a wrong or spent
@@ -280,14 +280,14 @@ class KvxferClient:
                              lease=self._lease(pool, lease_id, release_lease, arena_epoch),
                              peer_identity=peer_identity, wait=wait, capability=capability,
                              prompt_digest=prompt_digest, skip_pages=skip_pages,
-                             part=part_to_proto(part or OfferPart()))
+                             part=part_to_proto(part))
         return self._verb(self._stub.Pull, req, timeout_s, wait)
 
     def lease_and_pull(self, transfer_id: str, peer: str, pool: str, pages: int,
                        timeout_s: float = 0.0, *, lease_s: float = 0.0, holder: str = "",
                        peer_identity: str = "", arena_epoch: str = "", capability: str = "",
                        prompt_digest: bytes = b"", skip_pages: int = 0,
-                       part: OfferPart | None = None) -> tuple[LeaseInfo, TransferInfo]:
+                       part: OfferPart = WHOLE_OFFER) -> tuple[LeaseInfo, TransferInfo]:
         """Lease ``pages`` pages of ``pool`` and ``pull`` into them (the offer's pages from
         ``skip_pages`` on, or ``part``'s: as many as ``pages``), in one round trip: the
         new lease (release it once its pages are read) and the pull's status. A refused
@@ -298,7 +298,7 @@ class KvxferClient:
                                 lease=self._lease(pool, "", False, arena_epoch),
                                 peer_identity=peer_identity, capability=capability,
                                 prompt_digest=prompt_digest, skip_pages=skip_pages,
-                                part=part_to_proto(part or OfferPart())))
+                                part=part_to_proto(part)))
         reply = self._call(self._stub.LeasePull, req)
         return lease_from_proto(reply.lease), info_from_proto(reply.transfer)
 

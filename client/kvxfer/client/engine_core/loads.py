@@ -36,15 +36,13 @@ from kvxfer.client.engine_core.pull_starts import PullRequest, PullStarts, Start
 from kvxfer.client.engine_core.reconnecting import Reconnecting
 from kvxfer.client.library import KvxferClient
 from kvxfer.errors import KvxferError, StaleArenaError, TransferExistsError
-from kvxfer.offer_parts import OfferPart, part_id
+from kvxfer.offer_parts import WHOLE_OFFER, OfferPart, part_id
 from kvxfer.status import LeaseInfo, TransferInfo
 
 log = logging.getLogger("kvxfer.engine_core")
 
 P = TypeVar("P")
 
-#: A pull of a whole offer.
-WHOLE = OfferPart()
 #: How long past its deadline a pull may stay unreported before it is failed here.
 EXPIRY_GRACE_S = 10.0
 #: How long ``close`` waits for a start in its call, to abort what it started.
@@ -130,7 +128,7 @@ class PageLoads(Generic[P]):
 
     def start(self, payload: P, transfer_id: str, *, peer: str, pool: str, pages: int,
               skip_pages: int, capability: str, prompt_digest: bytes, epoch: str,
-              lease_s: float, holder: str, part: OfferPart = WHOLE) -> None:
+              lease_s: float, holder: str, part: OfferPart = WHOLE_OFFER) -> None:
         """Queue a pull: lease ``pages`` and pull ``transfer_id`` from ``peer`` into them, past
         the offer's first ``skip_pages`` or its ``part`` (``poll`` tells how it went; a part
         shared by several pullers is the transfer ``part_id``); TransferExistsError if it is

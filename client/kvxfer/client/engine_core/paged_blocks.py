@@ -132,11 +132,6 @@ class PagedBlocks:
                                   "mapping it again failed")
         return self._rows
 
-    @property
-    def per_block(self) -> int:
-        """Token pages per engine block (1 until mapped)."""
-        return 1 if self._tiling is None else self._tiling.per_block
-
     def copy_out(self, span: int, blocks: torch.Tensor, places: Places,
                  pages: Sequence[int]) -> None:
         """From ``blocks`` (``[num_blocks, bytes]``: the tensor of span number ``span``) into

@@ -28,7 +28,7 @@ from kvxfer.errors import (
     TransferDeadlineError,
     TransferNotFoundError,
 )
-from kvxfer.offer_parts import OfferPart, check_not_a_part, part_id
+from kvxfer.offer_parts import WHOLE_OFFER, OfferPart, check_not_a_part, part_id
 from kvxfer.pages import PageRuns
 from kvxfer.server.leases import CAPABILITY_BYTES, Lease, PageLeases
 from kvxfer.server.limits import check_digest, check_seconds, check_text
@@ -54,8 +54,6 @@ MAX_POLL_S = 60.0
 
 
 NO_LEASE = LeaseUse()
-#: A pull of a whole offer.
-NO_PART = OfferPart()
 
 
 def _check_counterpart(peer: str, side: str, capability: str, where_from: str) -> None:
@@ -158,7 +156,7 @@ class TransferCoordinator:
     def pull(self, transfer_id: str, peer: str, pool: str, dst_runs: PageRuns,
              timeout_s: float, lease: LeaseUse = NO_LEASE, peer_identity: str = "",
              capability: str = "", prompt_digest: bytes = b"", skip_pages: int = 0,
-             part: OfferPart = NO_PART) -> Transfer:
+             part: OfferPart = WHOLE_OFFER) -> Transfer:
         """Fetch ``transfer_id`` from the daemon at ``peer`` into ``dst_runs`` (decode side),
         presenting the offer's ``capability`` and the ``prompt_digest`` its KV must have been
         computed from; with ``peer_identity``, only that peer's session may fill it. The
@@ -181,7 +179,7 @@ class TransferCoordinator:
                        transfer_id: str, peer: str, timeout_s: float, arena_epoch: str = "",
                        peer_identity: str = "", capability: str = "",
                        prompt_digest: bytes = b"", skip_pages: int = 0,
-                       part: OfferPart = NO_PART) -> tuple[Lease, Transfer]:
+                       part: OfferPart = WHOLE_OFFER) -> tuple[Lease, Transfer]:
         """Lease ``pages`` pages of ``pool`` (as ``allocate``) and ``pull`` into them; the
         lease outlives the transfer. A refused pull releases the lease and raises."""
         lease = self.leases.allocate(pool, pages, lease_s, holder)

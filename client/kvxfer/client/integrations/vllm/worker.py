@@ -66,14 +66,12 @@ from kvxfer.errors import (
     TransferAbortedError,
     TransferExistsError,
 )
-from kvxfer.offer_parts import OfferPart, part_id
+from kvxfer.offer_parts import WHOLE_OFFER, OfferPart, part_id
 from kvxfer.pages import PageRuns
 from kvxfer.status import TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
 
-#: A pull of a whole transfer (past a prefix-cache hit).
-WHOLE_OFFER = OfferPart()
 
 
 Params = ParamSpec("Params")
