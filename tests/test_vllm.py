@@ -123,6 +123,13 @@ def unguarded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return scenario(tmp_path_factory, script="vllm_unguarded.py")
 
 
+@pytest.fixture(scope="module")
+def run_hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A hybrid model (sliding-window and full-attention layers) with vLLM's hybrid KV cache
+    manager on, behind vllm-router (``vllm_hybrid.py``)."""
+    return scenario(tmp_path_factory, script="vllm_hybrid.py")
+
+
 def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
     """How each answer differs (tokens, or logprobs bit for bit); empty when identical."""
     found = []
@@ -542,3 +549,53 @@ def test_negative_control_without_strict_parsing_one_request_kills_the_decode_en
         unguarded) -> None:
     assert "HTTP 500" in unguarded["malformed"]["error"]
     assert unguarded["decode_healthy_after_malformed"] is False
+
+
+# Hybrid models (#32 point 4): vLLM's hybrid KV cache manager keeps a block table per KV
+# cache group; the connector declares SupportsHMA and copies each layer through its own.
+
+def off_by(want: dict[str, Any], got: dict[str, Any]) -> str:
+    """How ``got`` differs from ``want`` (other tokens, or a logprob more than ``TOLERANCE``
+    off: vllm-router re-encodes floats); "" when it does not."""
+    if "error" in got:
+        return got["error"][:300]
+    if want["tokens"] != got["tokens"]:
+        return f"tokens {got['tokens']} != {want['tokens']}"
+    worst = max(abs(a - b) for a, b in zip(want["logprobs"], got["logprobs"], strict=True))
+    return f"a logprob off by {worst:.3g}" if worst > TOLERANCE else ""
+
+
+def test_a_hybrid_model_loads_every_prompt_token_through_two_block_tables_and_answers_right(
+        run_hybrid) -> None:
+    """Both engines keep two KV cache groups (vLLM did not turn its hybrid manager off); each
+    prompt, longer than the sliding window, is loaded whole from the transfer and answered as
+    the prefill engine answers it by itself."""
+    assert run_hybrid["logs"] == dict.fromkeys(("prefill", "decode"),
+                                               {"two_groups": True, "hma_off": False})
+    lengths = run_hybrid["lengths"]
+    assert min(lengths) > 2 * run_hybrid["window"]
+    assert [off_by(w, g) for w, g in zip(run_hybrid["plain"], run_hybrid["routed"],
+                                          strict=True)] == ["", ""]
+    moved = run_hybrid["routed_moved"]
+    assert moved["external_kv_transfer"] == sum(lengths) and moved["local_compute"] == 0
+    assert moved["decode_daemon_done"] == moved["prefill_daemon_done"] == len(lengths)
+
+
+def test_with_a_hybrid_models_two_block_tables_a_failed_load_is_reported_per_request(
+        run_hybrid) -> None:
+    """A load that fails (another capability in its params) with two KV cache groups, where
+    vLLM's block-level load-error path raises: the connector reports it per request, the
+    decode engine computes the prompt itself and answers right, and it stays healthy."""
+    assert off_by(run_hybrid["plain"][0], run_hybrid["forged"]) == ""
+    assert run_hybrid["forged_moved"] == {"external_kv_transfer": 0,
+                                          "local_compute": run_hybrid["lengths"][0],
+                                          "local_cache_hit": 0}
+    assert run_hybrid["decode_healthy"] is True
+
+
+def test_negative_control_one_block_table_for_every_layer_changes_a_hybrid_answer(
+        run_hybrid) -> None:
+    """A decode engine copying every layer through the first block table (the tests' seam)
+    loads the prompt from the transfer and answers otherwise."""
+    assert run_hybrid["careless_moved"]["external_kv_transfer"] == run_hybrid["lengths"][1]
+    assert off_by(run_hybrid["plain"][1], run_hybrid["careless"]).startswith("tokens")

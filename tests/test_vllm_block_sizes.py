@@ -61,8 +61,8 @@ def hand_off(pre: Any, dec: Any, layouts: tuple[BlockLayout, BlockLayout], src: 
             work_p.register_kv_caches(kv_p)
             work_d.register_kv_caches(kv_d)
             req = Request("r", count, {"do_remote_decode": True})
-            sched_p.update_state_after_alloc(req, src, 0)
-            work_p.bind(sched_p.build_plan({"r": (0, count)}, lambda _: src))
+            sched_p.update_state_after_alloc(req, (src,), 0)
+            work_p.bind(sched_p.build_plan({"r": (0, count)}, lambda _: (src,)))
             for name, kv in kv_p.items():
                 work_p.save_kv_layer(name, kv)
             work_p.wait_for_save()
@@ -70,7 +70,7 @@ def hand_off(pre: Any, dec: Any, layouts: tuple[BlockLayout, BlockLayout], src: 
             assert params is not None
             dreq = Request("u", count, params)
             assert sched_d.get_num_new_matched_tokens(dreq, local) == (count - local, True)
-            sched_d.update_state_after_alloc(dreq, dst, count - local)
+            sched_d.update_state_after_alloc(dreq, (dst,), count - local)
             work_d.bind(sched_d.build_plan({}, lambda _: []))
             work_d.start_load_kv()
             wait_finished(work_d, "u")

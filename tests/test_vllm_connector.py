@@ -98,8 +98,8 @@ class Engines:
         ``src`` and save it: the params its response carries."""
         tokens = 32 * len(src)
         req = Request(req_id, tokens, {"do_remote_decode": True}, seed=seed)
-        self.sched_p.update_state_after_alloc(req, src, 0)
-        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: src))
+        self.sched_p.update_state_after_alloc(req, (src,), 0)
+        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: (src,)))
         for layer, kv in self.kv_p.items():
             self.work_p.save_kv_layer(layer, kv)
         self.work_p.wait_for_save()
@@ -114,7 +114,7 @@ class Engines:
         params = self.prefill(f"{name}-p", src)
         dreq = Request(f"{name}-d", tokens, params)
         assert self.sched_d.get_num_new_matched_tokens(dreq, 0) == (tokens, True)
-        self.sched_d.update_state_after_alloc(dreq, dst, tokens)
+        self.sched_d.update_state_after_alloc(dreq, (dst,), tokens)
         self.work_d.bind(self.sched_d.build_plan({}, lambda _: []))
         self.work_d.start_load_kv()
         wait_finished(self.work_d, dreq.request_id, timeout_s=30)
@@ -155,9 +155,9 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
 
         # Prefill: a 70-token prompt in blocks 3, 7, 9 is finished this step.
         req = Request("r1", 70, {"do_remote_decode": True})
-        sched_p.update_state_after_alloc(req, [3, 7, 9], 0)
-        plan = sched_p.build_plan({"r1": (0, 70)}, lambda _: [3, 7, 9])
-        assert [s.block_ids for s in plan.saves] == [(3, 7, 9)]
+        sched_p.update_state_after_alloc(req, ([3, 7, 9],), 0)
+        plan = sched_p.build_plan({"r1": (0, 70)}, lambda _: ([3, 7, 9],))
+        assert [s.block_tables for s in plan.saves] == [((3, 7, 9),)]
         assert plan.saves[0].capabilities == ()  # the workers' plan carries no secret
         work_p.bind(plan)
         for name, kv in kv_p.items():
@@ -173,7 +173,7 @@ def test_blocks_cross_two_daemons_byte_exact_and_leave_no_page_leased(pair) -> N
         # Decode: the 70 tokens are an async external hit, loaded into blocks 1, 2, 5.
         dreq = Request("d1", 70, params)
         assert sched_d.get_num_new_matched_tokens(dreq, 0) == (70, True)
-        sched_d.update_state_after_alloc(dreq, [1, 2, 5], 70)
+        sched_d.update_state_after_alloc(dreq, ([1, 2, 5],), 70)
         work_d.bind(sched_d.build_plan({}, lambda _: []))
         work_d.start_load_kv()
         wait_finished(work_d, "d1")
@@ -214,7 +214,7 @@ def test_params_that_lie_about_the_prefill_engines_model_fail_at_the_prefill_dae
         params["kvxfer"]["model"]["fingerprint"] = MODEL.fingerprint
         dreq = Request("liar-d", 64, params)
         assert h.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
-        h.sched_d.update_state_after_alloc(dreq, [1, 2], 64)
+        h.sched_d.update_state_after_alloc(dreq, ([1, 2],), 64)
         h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))
         h.work_d.start_load_kv()
         wait_finished(h.work_d, "liar-d", timeout_s=30)
@@ -233,7 +233,7 @@ def test_with_a_local_prefix_hit_only_the_blocks_past_it_cross_the_wire(pair) ->
         decode_before = {k: v.clone() for k, v in h.kv_d.items()}
         dreq = Request("d2", 96, h.prefill("r2", [3, 7, 9]))
         assert h.sched_d.get_num_new_matched_tokens(dreq, 32) == (64, True)
-        h.sched_d.update_state_after_alloc(dreq, [1, 2, 5], 64)
+        h.sched_d.update_state_after_alloc(dreq, ([1, 2, 5],), 64)
         h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))
         h.work_d.start_load_kv()
         wait_finished(h.work_d, "d2")
@@ -305,7 +305,7 @@ def pending_load(pre, dec, req_id: str, **extra: Any) -> Iterator[PendingLoad]:
     worker.register_kv_caches(kv)
     request = Request(req_id, 64, params)
     sched.get_num_new_matched_tokens(request, 0)
-    sched.update_state_after_alloc(request, [8, 9], 64)
+    sched.update_state_after_alloc(request, ([8, 9],), 64)
     os.kill(pre.pid, signal.SIGSTOP)
     try:
         worker.bind(sched.build_plan({}, lambda _: []))
@@ -364,8 +364,8 @@ def test_without_daemon_pages_the_decode_engine_computes_the_prompt(spawn) -> No
         sched = SchedulerSide(settings(pre.worker_address), LAYOUT, MODEL, "P", producer=True,
                               consumer=False, client=p)
         req = Request("big", 70, {"do_remote_decode": True})
-        sched.update_state_after_alloc(req, [0, 1, 2], 0)
-        assert sched.build_plan({"big": (0, 70)}, lambda _: [0, 1, 2]).saves == []
+        sched.update_state_after_alloc(req, ([0, 1, 2],), 0)
+        assert sched.build_plan({"big": (0, 70)}, lambda _: ([0, 1, 2],)).saves == []
         assert sched.request_finished(req) is None  # no remote prefill: decode computes it
 
 
@@ -404,8 +404,8 @@ def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
         for worker, kv in [*zip(work_p, kv_p), *zip(work_d, kv_d)]:
             worker.register_kv_caches(kv)
         req = Request("t", 40, {"do_remote_decode": True})
-        sched_p.update_state_after_alloc(req, [2, 3], 0)
-        plan = sched_p.build_plan({"t": (0, 40)}, lambda _: [2, 3])
+        sched_p.update_state_after_alloc(req, ([2, 3],), 0)
+        plan = sched_p.build_plan({"t": (0, 40)}, lambda _: ([2, 3],))
         [save] = plan.saves
         assert len(save.lease_ids) == 2 and not set(save.pages[0]) & set(save.pages[1])
         for worker, kv in zip(work_p, kv_p):
@@ -416,7 +416,7 @@ def test_with_tensor_parallelism_each_rank_moves_its_own_shard(pair) -> None:
         params = sched_p.request_finished(req)
         dreq = Request("u", 40, params)
         sched_d.get_num_new_matched_tokens(dreq, 0)
-        sched_d.update_state_after_alloc(dreq, [7, 11], 40)
+        sched_d.update_state_after_alloc(dreq, ([7, 11],), 40)
         dplan = sched_d.build_plan({}, lambda _: [])
         for worker in work_d:
             worker.bind(dplan)
@@ -451,7 +451,7 @@ def split_load(pre: Any, dec: Any, req_id: str, seed: int) -> tuple[list[WorkerS
     workers[1]._loads._starts._start = refused  # type: ignore[method-assign]
     request = Request(req_id, 64, params)
     sched.get_num_new_matched_tokens(request, 0)
-    sched.update_state_after_alloc(request, [8, 9], 64)
+    sched.update_state_after_alloc(request, ([8, 9],), 64)
     return workers, sched.build_plan({}, lambda _: [])
 
 

@@ -21,7 +21,7 @@ from test_vllm_connector import LAYOUT, MODEL, Request, settings, wait_finished
 
 from kvxfer.client.engine_core.head_split import Source
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
-from kvxfer.client.integrations.vllm import worker as worker_module
+from kvxfer.client.integrations.vllm import pull_plan
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
 from kvxfer.client.integrations.vllm.offer_keeper import OfferKeeper
 from kvxfer.client.integrations.vllm.protocol import Refusal, StepPlan, parse_remote_prefill
@@ -70,8 +70,8 @@ class Pair:
 
     def prefill(self, req_id: str, tokens: int, blocks: list[int]) -> dict[str, Any]:
         req = Request(req_id, tokens, {"do_remote_decode": True})
-        self.sched_p.update_state_after_alloc(req, blocks, 0)
-        plan = self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: blocks)
+        self.sched_p.update_state_after_alloc(req, (blocks,), 0)
+        plan = self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: (blocks,))
         for worker, kv in zip(self.work_p, self.kv_p, strict=True):
             worker.bind(plan)
             for name, layer in kv.items():
@@ -87,7 +87,7 @@ class Pair:
         request = Request(req_id, tokens, params)
         self.sched_d.on_new_request(request)
         assert self.sched_d.get_num_new_matched_tokens(request, 0) == (tokens, True)
-        self.sched_d.update_state_after_alloc(request, blocks, tokens)
+        self.sched_d.update_state_after_alloc(request, (blocks,), tokens)
         return self.sched_d.build_plan({}, lambda _: [])
 
     def load(self, req_id: str, tokens: int, blocks: list[int], params: dict[str, Any]) -> None:
@@ -139,13 +139,13 @@ def test_negative_control_pages_copied_among_the_wrong_heads_are_caught(spawn,
                                                                         monkeypatch) -> None:
     """``sources`` switched to place each prefill rank's pages at the decode rank's first
     heads: the decode blocks then do not hold the model's heads (the check above fails)."""
-    real = worker_module.sources
+    real = pull_plan.sources
 
     def first_heads(prefill: Any, decode: Any, rank: int) -> list[Source]:
         return [dataclasses.replace(s, places=tuple(range(len(s.places))))
                 for s in real(prefill, decode, rank)]
 
-    monkeypatch.setattr(worker_module, "sources", first_heads)
+    monkeypatch.setattr(pull_plan, "sources", first_heads)
     assert not hand_off_lands_heads(spawn, split(4, 2, 1), split(4, 1, 1))
 
 

@@ -79,7 +79,7 @@ def load(h: Engines, name: str, src: list[int], dst: list[int]) -> Request:
     params = h.prefill(f"{name}-p", src)
     dreq = Request(f"{name}-d", 32 * len(src), params)
     h.sched_d.get_num_new_matched_tokens(dreq, 0)
-    h.sched_d.update_state_after_alloc(dreq, dst, 32 * len(src))
+    h.sched_d.update_state_after_alloc(dreq, (dst,), 32 * len(src))
     h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))
     return dreq
 

@@ -88,7 +88,7 @@ def test_a_request_queued_past_its_offers_deadline_still_loads_it(pair, kept: bo
         h.sched_d.on_new_request(dreq)
         time.sleep(2 * OFFER_S)  # waiting in the decode engine's queue
         assert h.sched_d.get_num_new_matched_tokens(dreq, 0) == (96, True)
-        h.sched_d.update_state_after_alloc(dreq, [7, 8, 9], 96)
+        h.sched_d.update_state_after_alloc(dreq, ([7, 8, 9],), 96)
         if keeper is not None:
             assert keeper.wanted() == 0  # the pull takes the offer from here
         h.work_d.bind(h.sched_d.build_plan({}, lambda _: []))

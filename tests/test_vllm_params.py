@@ -214,7 +214,7 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
         if outcome == "load" and tokens > computed:
             assert got == (tokens - computed, True), (params, got)
             blocks = list(range(math.ceil(tokens / LAYOUT.block_size)))
-            decode.update_state_after_alloc(request, blocks, tokens - computed)
+            decode.update_state_after_alloc(request, (blocks,), tokens - computed)
             [load] = decode.build_plan({}, lambda _: []).loads
             assert load.num_pages == len(blocks) and load.transfer_id == params["kvxfer"]["transfer_id"]
             assert load.capabilities == tuple(params["kvxfer"]["capabilities"])
@@ -229,7 +229,7 @@ def test_generated_params_load_or_are_refused_exactly_as_the_oracle_says() -> No
         asks = ({**copy.deepcopy(params), "do_remote_decode": do_remote_decode}
                 if isinstance(params, dict) else params)
         producer_request = Request(f"p{seen}", tokens, asks)
-        prefill.update_state_after_alloc(producer_request, [0], 0)
+        prefill.update_state_after_alloc(producer_request, ([0],), 0)
         hands_off = isinstance(asks, dict) and asks.get("do_remote_decode") is True
         assert (f"p{seen}" in prefill._to_save) is hands_off, asks
         prefill.request_finished(producer_request)

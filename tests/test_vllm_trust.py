@@ -125,7 +125,7 @@ def test_a_load_in_flight_when_its_daemon_restarts_fails_at_once(engines, monkey
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("orphan", 64, params)
     assert engines.sched_d.get_num_new_matched_tokens(dreq, 0) == (64, True)
-    engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
+    engines.sched_d.update_state_after_alloc(dreq, ([8, 9],), 64)
     os.kill(engines.pre.pid, signal.SIGSTOP)
     try:
         engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
@@ -162,7 +162,7 @@ def test_only_a_step_that_computes_nothing_waits_for_endings(engines, monkeypatc
                          "model": dataclasses.asdict(MODEL)}}
     dreq = Request("waiting", 64, params)
     engines.sched_d.get_num_new_matched_tokens(dreq, 0)
-    engines.sched_d.update_state_after_alloc(dreq, [8, 9], 64)
+    engines.sched_d.update_state_after_alloc(dreq, ([8, 9],), 64)
     os.kill(engines.pre.pid, signal.SIGSTOP)
     try:
         engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
@@ -180,8 +180,8 @@ def test_a_save_that_fails_part_way_is_never_offered(engines, caplog) -> None:
     """One layer's copy fails: the pages are not offered (the decode side computes the prompt)
     and go back to the pool; the engine's loop sees no exception."""
     req = Request("half", 64, {"do_remote_decode": True})
-    engines.sched_p.update_state_after_alloc(req, [2, 3], 0)
-    plan = engines.sched_p.build_plan({"half": (0, 64)}, lambda _: [2, 3])
+    engines.sched_p.update_state_after_alloc(req, ([2, 3],), 0)
+    plan = engines.sched_p.build_plan({"half": (0, 64)}, lambda _: ([2, 3],))
     engines.work_p.bind(plan)
     first, second = list(engines.kv_p)
     engines.work_p.save_kv_layer(first, engines.kv_p[first])
@@ -199,7 +199,7 @@ def forged_hand_off(engines: Engines, decode_seed: int) -> tuple[str, set[str], 
     params = engines.prefill("a-p", [3, 7])
     forged = Request("b-d", 64, params, seed=decode_seed)
     assert engines.sched_d.get_num_new_matched_tokens(forged, 0) == (64, True)
-    engines.sched_d.update_state_after_alloc(forged, [5, 6], 64)
+    engines.sched_d.update_state_after_alloc(forged, ([5, 6],), 64)
     engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
     engines.work_d.start_load_kv()
     wait_finished(engines.work_d, "b-d", timeout_s=30)
@@ -234,8 +234,8 @@ def test_a_failed_entry_point_fails_only_its_own_requests(engines) -> None:
     first, second = Request("first", 64, dict(params)), Request("second", 64, dict(params))
     for request in (first, second):
         assert sched.get_num_new_matched_tokens(request, 0) == (64, True)
-    sched.fail_load(first, [1, 2], 64, "update_state_after_alloc failed")
-    sched.update_state_after_alloc(second, [3, 4], 64)
+    sched.fail_load(first, ([1, 2],), 64, "update_state_after_alloc failed")
+    sched.update_state_after_alloc(second, ([3, 4],), 64)
     plan = sched.failed_plan("build_connector_meta failed")
     assert [(load.req_id, load.refused) for load in plan.loads] == [
         ("first", "update_state_after_alloc failed"), ("second", "build_connector_meta failed")]
@@ -299,7 +299,7 @@ def test_forged_loads_fail_for_the_reason_the_oracle_predicts(engines) -> None:
             decode = Request(f"d{count}.{attempt}", tokens, sent, seed=seed)
             untouched = {k: v[dst].clone() for k, v in engines.kv_d.items()}
             assert engines.sched_d.get_num_new_matched_tokens(decode, 0) == (tokens, True)
-            engines.sched_d.update_state_after_alloc(decode, dst, tokens)
+            engines.sched_d.update_state_after_alloc(decode, (dst,), tokens)
             engines.work_d.bind(engines.sched_d.build_plan({}, lambda _: []))
             engines.work_d.start_load_kv()
             wait_finished(engines.work_d, decode.request_id, timeout_s=30)

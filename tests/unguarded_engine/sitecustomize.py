@@ -10,6 +10,9 @@ through real engines; the connector has no such switch.
   and pages are cut from a block the same way, as if the in-block format kept each page's
   slots together (vLLM's head-major block does not: its K is transposed, so the pages'
   slots interleave);
+- ``tables``: every layer's blocks are copied through the first KV cache group's block
+  table (as a connector blind to vLLM's hybrid KV cache manager would), so a
+  sliding-window layer's pages land in, and are cut from, the full-attention layers' blocks;
 - ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
   they come) and the connector's entry points unguarded, so a malformed request raises into
   vLLM's scheduler.
@@ -101,6 +104,12 @@ def _unguard_tiling() -> None:
     BlockTiling.copy_out = runs_out  # type: ignore[method-assign]
 
 
+def _unguard_tables() -> None:
+    from kvxfer.client.integrations.vllm import worker
+
+    worker.layer_tables = lambda config, names, block_size: (0,) * len(names)  # type: ignore[assignment]
+
+
 _GUARDS = set(filter(None, os.environ.get("KVXFER_UNGUARDED", "").split(",")))
 if _GUARDS:
     if "epoch" in _GUARDS:
@@ -109,3 +118,5 @@ if _GUARDS:
         _unguard_parsing()
     if "tiling" in _GUARDS:
         _unguard_tiling()
+    if "tables" in _GUARDS:
+        _unguard_tables()

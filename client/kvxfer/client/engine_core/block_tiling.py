@@ -54,6 +54,16 @@ class Places:
         blocks, parts, grouped = zip(*rows, strict=True) if rows else ((), (), ())
         return cls(tuple(blocks), tuple(parts), tuple(grouped))
 
+    def without(self, block: int, pages: Sequence[int]) -> tuple[Places, list[int]]:
+        """These places and their ``pages`` but those in block ``block`` (an engine's block
+        that holds nothing, e.g. vLLM's null block)."""
+        kept = [i for i, b in enumerate(self.blocks) if b != block]
+        if len(kept) == len(self.blocks):
+            return self, list(pages)
+        return (Places(*(tuple(values[i] for i in kept)
+                         for values in (self.blocks, self.parts, self.groups))),
+                [pages[i] for i in kept])
+
     def plain(self) -> bool:
         """Whether page ``i`` is simply all of block ``blocks[i]``."""
         return not any(self.parts) and not any(self.groups)

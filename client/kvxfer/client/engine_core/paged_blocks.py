@@ -143,17 +143,16 @@ class PagedBlocks:
             _check_plain(places)
             rows.copy_out(self._spans[span], blocks, places.blocks, pages)
 
-    def copy_in(self, tensors: Sequence[torch.Tensor], pages: Sequence[int],
+    def copy_in(self, span: int, blocks: torch.Tensor, pages: Sequence[int],
                 places: Places) -> None:
-        """Every span of ``pages`` into its tensor (one ``[num_blocks, bytes]`` tensor per
-        span, in order), page ``i`` where ``places`` says."""
+        """Span number ``span`` of ``pages`` into ``blocks`` (that span's ``[num_blocks,
+        bytes]`` tensor), page ``i`` where ``places`` says."""
         rows = self._mapped_rows()
-        for number, (span, blocks) in enumerate(zip(self._spans, tensors, strict=True)):
-            if self._tiling is not None:
-                self._tiling.copy_in(rows.raw, number, blocks, pages, places)
-            else:
-                _check_plain(places)
-                rows.copy_in(span, blocks, pages, places.blocks)
+        if self._tiling is not None:
+            self._tiling.copy_in(rows.raw, span, blocks, pages, places)
+        else:
+            _check_plain(places)
+            rows.copy_in(self._spans[span], blocks, pages, places.blocks)
 
 
 def _check_plain(places: Places) -> None:

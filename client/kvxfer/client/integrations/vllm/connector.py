@@ -8,10 +8,11 @@ it does: a ``kv_producer`` only hands KV off, a ``kv_consumer`` only loads it,
 (``settings.ConnectorSettings``).
 
 Tensor parallelism: each rank has its own worker half and its shard of the KV
-heads, so a page holds one rank's block, the scheduler leases pages per rank,
-and each rank moves its own transfer (``{engine}/{request}/tp{rank}``); vLLM
-counts a load finished once every rank reported it. Both engines must have the
-same TP size (it is part of the block layout) and the same model (its fingerprint,
+heads, the scheduler leases pages per rank, and each rank offers its own transfer
+(``{engine}/{request}/tp{rank}``); a decode rank pulls the pages of its own KV heads
+from the prefill ranks that hold them, whatever the two engines' TP sizes
+(``engine_core.head_split``); vLLM counts a load finished once every rank reported it.
+Both engines must have the same page layout and the same model (its fingerprint,
 ``model_identity``), whatever its path or the vLLM version.
 
 Failure contract (``docs/trust.md``): no request may crash an engine. Every
@@ -38,9 +39,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.platforms import current_platform
 
+from kvxfer.client.integrations.vllm.block_tables import layer_tables
 from kvxfer.client.integrations.vllm.layout import BlockLayout, cpu_block_format
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.client.integrations.vllm.model_identity import (
@@ -147,8 +150,10 @@ def _plan_of(metadata: KVConnectorMetadata) -> StepPlan:
     return metadata.plan
 
 
-class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """A vLLM KV connector whose KV travels through the node's kvxfer daemon."""
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """A vLLM KV connector whose KV travels through the node's kvxfer daemon; with vLLM's
+    hybrid KV cache manager too (``SupportsHMA``: a block table per KV cache group,
+    ``block_tables``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -158,6 +163,9 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         layout = block_layout(vllm_config, kv_cache_config, settings.page_size,
                               settings.page_heads)
         engine_id = str(transfer.engine_id)
+        if kv_cache_config is not None:  # refuses groups kvxfer cannot page, at start
+            every_layer = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+            layer_tables(kv_cache_config, every_layer, layout.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         #: Entry points that raised (and were answered safely), by name.
@@ -180,7 +188,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._worker = WorkerSide(settings, layout, engine_id, get_tensor_model_parallel_rank(),
-                                      self._interval)
+                                      self._interval, kv_cache_config)
 
     def _guarded(self, what: str, call: Callable[[], T], fallback: Callable[[], T]) -> T:
         """``call()``; if it raises, log and count it and answer ``fallback()`` instead."""
@@ -218,8 +226,8 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._guarded(
             "update_state_after_alloc",
             lambda: self._sched().update_state_after_alloc(
-                request, list(blocks.get_block_ids()[0]), num_external_tokens),
-            lambda: self._sched().fail_load(request, list(blocks.get_block_ids()[0]),
+                request, blocks.get_block_ids(), num_external_tokens),
+            lambda: self._sched().fail_load(request, blocks.get_block_ids(),
                                             num_external_tokens, "update_state_after_alloc failed"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -235,8 +243,7 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cached = scheduler_output.scheduled_cached_reqs
         for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
             scheduled[req_id] = (computed, scheduler_output.num_scheduled_tokens[req_id])
-        plan = self._sched().build_plan(
-            scheduled, lambda req_id: list(self._manager.get_block_ids(req_id)[0]))
+        plan = self._sched().build_plan(scheduled, self._manager.get_block_ids)
         return KvxferMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -249,6 +256,11 @@ class KvxferConnector(KVConnectorBase_V1):  # type: ignore[misc]
         params = self._guarded("request_finished", lambda: self._sched().request_finished(request),
                                lambda: None)
         return False, params
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``, as vLLM's hybrid KV cache manager calls it."""
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # -- worker half -------------------------------------------------------------------------
 

@@ -302,12 +302,14 @@ class Disaggregation:
 
     def add_engine(self, name: str, *, block_size: int, page_size: int,
                    role: str = "kv_both", tp: int | None = None,
-                   page_heads: int = 0) -> tuple[LocalDaemon, VllmServer]:
+                   page_heads: int = 0, env: dict[str, str] | None = None
+                   ) -> tuple[LocalDaemon, VllmServer]:
         """Start one more engine (one of ``more_engines``) beside the pair, with a daemon of
         its own that talks to theirs: blocks of ``block_size`` tokens through pages of
         ``page_size`` tokens and ``page_heads`` KV heads (0: a rank's; the pair's daemons
-        must use those pages too), on ``tp`` ranks (None: the pair's). Both are stopped with
-        the rest. Not put behind the front: requests go to it directly."""
+        must use those pages too), on ``tp`` ranks (None: the pair's), with ``env`` added to
+        the engines' environment. Both are stopped with the rest. Not put behind the front:
+        requests go to it directly."""
         if name not in self.more_engines or self._tls is None:
             raise ValueError(f"engine {name!r} is not one of more_engines {self.more_engines} "
                              "of a started deployment")
@@ -321,7 +323,7 @@ class Disaggregation:
         heads = {"page_heads": page_heads} if page_heads else {}
         engine = VllmServer(name, self.model, self.workdir, tp=tp, block_size=block_size,
                             max_model_len=self.max_model_len, extra_args=self.engine_args,
-                            env=self.engine_env,
+                            env={**(self.engine_env or {}), **(env or {})},
                             kv_transfer=connector_config(
                                 role, daemon.worker_address, page_size=page_size, **heads,
                                 stats_file=str(self.workdir / f"{name}-stats.jsonl")))

@@ -198,10 +198,11 @@ def rank_transfer(transfer_id: str, rank: int, tp_size: int) -> str:
 
 @dataclass(frozen=True)
 class Save:
-    """Prefill: each rank copies these blocks, layer by layer as the forward computes them,
-    into the pages leased for it (page ``t * g + j`` of ``pages[rank]`` holds head group ``j``
-    of part ``t % n`` of block ``t // n``, ``n`` the token pages per block and ``g`` the
-    groups: ``engine_core.head_split``), then offers them as
+    """Prefill: each rank copies the request's blocks, layer by layer as the forward computes
+    them, each layer's from its KV cache group's block table (``block_tables``, one per group:
+    ``block_tables.py``), into the pages leased for it (page ``t * g + j`` of ``pages[rank]``
+    holds head group ``j`` of part ``t % n`` of block ``t // n``, ``n`` the token pages per
+    block and ``g`` the groups: ``engine_core.head_split``), then offers them as
     its rank's transfer of ``transfer_id``, recording ``prompt_digest`` with it.
     ``arena_epoch`` is the daemon memory epoch the leases were granted in: a worker whose
     mapping is older re-attaches before writing. ``capabilities`` (per rank, the leases')
@@ -210,7 +211,7 @@ class Save:
 
     req_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
     lease_ids: tuple[str, ...]
     pages: tuple[tuple[int, ...], ...]
     verify: bool
@@ -225,9 +226,10 @@ class Load:
     ``transfer_id`` that holds some of its KV heads (``engine_core.head_split``), the pages of
     token pages ``first_page`` to ``num_pages`` (earlier ones are a local prefix-cache hit:
     they do not cross the wire) from ``peer``, with that rank's capability and the request's
-    ``prompt_digest``, then copies token page ``t`` into part ``t % n`` of
-    ``block_ids[t // n - first_page // n]`` (``n`` the token pages per block; ``first_page``
-    is a multiple), each head group among its heads. A load with ``refused`` set fails at
+    ``prompt_digest``, then copies token page ``t`` into part ``t % n`` of block
+    ``table[t // n - first_page // n]`` (``n`` the token pages per block; ``first_page`` is a
+    multiple) of each layer's KV cache group's table in ``block_tables``, each head group among
+    its heads. A load with ``refused`` set fails at
     once, moving nothing. ``planned_unix``: when the scheduler planned it (where its timeline
     in the stats starts)."""
 
@@ -236,7 +238,7 @@ class Load:
     peer: str
     num_pages: int
     first_page: int
-    block_ids: tuple[int, ...]
+    block_tables: tuple[tuple[int, ...], ...]
     prefill_tp: int = 1
     refused: str = ""
     capabilities: tuple[str, ...] = field(default=(), repr=False)

@@ -38,7 +38,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.client.engine_core.head_split import pulled_ranks
@@ -169,14 +169,14 @@ class SchedulerSide:
         self._local_computed.pop(request.request_id, None)
         return 0, False
 
-    def fail_load(self, request: Any, block_ids: list[int], num_external_tokens: int,
-                  why: str) -> None:
+    def fail_load(self, request: Any, block_tables: Sequence[Sequence[int]],
+                  num_external_tokens: int, why: str) -> None:
         """Plan a load of ``request`` that fails at once (after a failure): vLLM is told it
         failed and computes the prompt, instead of waiting for it forever."""
         self.forget(request)
         if num_external_tokens > 0:
-            self._new_loads.append(Load(request.request_id, "", "", 0, 0, tuple(block_ids),
-                                        refused=why))
+            self._new_loads.append(Load(request.request_id, "", "", 0, 0,
+                                        tuple(map(tuple, block_tables)), refused=why))
             self._loading.add(request.request_id)
 
     def failed_plan(self, why: str) -> StepPlan:
@@ -195,8 +195,10 @@ class SchedulerSide:
         log.warning("request %s: not loading its KV (params %s: %s); computing its prompt here",
                     request.request_id, refusal.reason, refusal.detail)
 
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """Blocks are allocated: plan the save (prefill) or the load (decode) of ``request``."""
+    def update_state_after_alloc(self, request: Any, block_tables: Sequence[Sequence[int]],
+                                 num_external_tokens: int) -> None:
+        """Blocks are allocated (``block_tables``: one per KV cache group): plan the save
+        (prefill) or the load (decode) of ``request``."""
         params = request.kv_transfer_params
         if self._producer and wants_remote_decode(params):
             self._to_save[request.request_id] = request
@@ -218,7 +220,8 @@ class SchedulerSide:
         first_block = local // layout.block_size
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
                                     num_pages, first_block * layout.token_pages_per_block,
-                                    tuple(block_ids[first_block:num_blocks]),
+                                    tuple(tuple(table[first_block:num_blocks])
+                                          for table in block_tables),
                                     remote.layout.tp_size, capabilities=remote.capabilities,
                                     prompt_digest=digest, planned_unix=time.time()))
         self._loading.add(request.request_id)
@@ -230,10 +233,11 @@ class SchedulerSide:
     # -- every step ------------------------------------------------------------------------
 
     def build_plan(self, scheduled: dict[str, tuple[int, int]],
-                   block_ids_of: Callable[[str], list[int]]) -> StepPlan:
+                   block_tables_of: Callable[[str], Sequence[Sequence[int]]]) -> StepPlan:
         """This step's plan; ``scheduled`` gives each scheduled request's (computed tokens,
-        tokens scheduled now). The loads leave ``_new_loads`` only with the finished plan:
-        if anything here raised, ``failed_plan`` still fails them."""
+        tokens scheduled now), ``block_tables_of`` a request's blocks (per KV cache group).
+        The loads leave ``_new_loads`` only with the finished plan: if anything here raised,
+        ``failed_plan`` still fails them."""
         plan = StepPlan(idle=not scheduled)
         for req_id, request in list(self._to_save.items()):
             if req_id not in scheduled:
@@ -244,7 +248,7 @@ class SchedulerSide:
                 continue  # its prompt finishes in a later step (chunked prefill)
             del self._to_save[req_id]
             try:
-                save = self._lease(request, block_ids_of(req_id))
+                save = self._lease(request, block_tables_of(req_id))
             except Exception:  # noqa: BLE001 - the failure contract: the decode side recomputes
                 log.exception("request %s: could not plan its save; its decode engine will "
                               "compute the prompt", req_id)
@@ -256,7 +260,7 @@ class SchedulerSide:
         self._new_loads, self._cancels = [], []
         return plan
 
-    def _lease(self, request: Any, block_ids: list[int]) -> Save | None:
+    def _lease(self, request: Any, block_tables: Sequence[Sequence[int]]) -> Save | None:
         assert self._client is not None
         digest = prompt_digest(request, self._engine)
         if digest is None:
@@ -284,7 +288,8 @@ class SchedulerSide:
                     pass  # the daemon frees it when it expires (lease_s)
             return None
         verify = self._settings.verify or wants_verify(request.kv_transfer_params)
-        return Save(request.request_id, transfer_id, tuple(block_ids[:num_blocks]),
+        return Save(request.request_id, transfer_id,
+                    tuple(tuple(table[:num_blocks]) for table in block_tables),
                     tuple(lease.lease_id for lease in leases),
                     tuple(tuple(lease.runs.pages()) for lease in leases), verify, digest,
                     leases[0].arena_epoch, tuple(lease.capability for lease in leases))

@@ -29,8 +29,10 @@ HEAD_DIM = 64
 
 
 def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
-          initializer_range: float = 0.08) -> Path:
-    """Write the model and tokenizer to ``directory`` (created); its path."""
+          initializer_range: float = 0.08, sliding_window: int = 0) -> Path:
+    """Write the model and tokenizer to ``directory`` (created); its path. With
+    ``sliding_window`` (tokens), a hybrid: every second layer attends only to that many
+    recent tokens (``layer_types``), the others to all, so vLLM keeps two block tables."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -51,10 +53,21 @@ def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM, max_position_embeddings=2048, initializer_range=initializer_range,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=DTYPE)
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=DTYPE,
+        **hybrid_layers(layers, sliding_window))
     model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def hybrid_layers(layers: int, sliding_window: int) -> dict[str, object]:
+    """The config entries of a model whose odd layers see the last ``sliding_window`` tokens
+    (none: every layer sees all)."""
+    if not sliding_window:
+        return {}
+    return {"sliding_window": sliding_window,
+            "layer_types": ["sliding_attention" if i % 2 else "full_attention"
+                            for i in range(layers)]}
 
 
 def prompt(seed: int, words: int) -> str:
@@ -71,8 +84,11 @@ def main() -> None:
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--sliding-window", type=int, default=0,
+                        help="a hybrid: odd layers attend to this many recent tokens only")
     args = parser.parse_args()
-    print(build(args.directory, seed=args.seed, layers=args.layers))
+    print(build(args.directory, seed=args.seed, layers=args.layers,
+                sliding_window=args.sliding_window))
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ bytes contiguous; the daemon's pool holds pages of ``num_layers`` such blocks
 So layer ``l`` of block ``b`` is one contiguous copy to or from a page
 (``engine_core.paged_blocks``), whatever the engine's attention code keeps inside. Blocks
 of several pages (``page_size`` below the block size) are copied through the pool's views
-instead (``engine_core.block_tiling``).
+instead (``engine_core.block_tiling``). Each layer's blocks are those of its KV cache group's
+block table (one table without vLLM's hybrid KV cache manager; ``block_tables``).
 
 Prefill: ``save_kv_layer`` copies each planned request's blocks of that layer
 into its leased pages as the forward computes them (copy-out); ``wait_for_save``
 offers the pages as the request's transfer, lease ending with it, so the
 engine's blocks are free at once. Decode: ``start_load_kv`` queues, per planned load, a
 pull of each prefill rank's transfer that holds some of this rank's KV heads (one, the same
-rank's, when both engines have the same TP size: ``engine_core.head_split``), each leasing
+rank's, when both engines have the same TP size: ``pull_plan``), each leasing
 its pages, and returns (``engine_core.loads``: the pulls start from a
 thread and their endings come from a feed in another, so the step makes no call to the
 daemon); ``get_finished`` has the finished ones copied into the request's blocks, each
@@ -37,19 +38,18 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Concatenate, ParamSpec, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from kvxfer.client.engine_core.block_tiling import Places
 from kvxfer.client.engine_core.endings import Endings
-from kvxfer.client.engine_core.head_split import HeadSplit, pullers, sources
 from kvxfer.client.engine_core.landings import Landed, Landings
 from kvxfer.client.engine_core.loads import PageLoads, PullEnd, failure_reason
 from kvxfer.client.engine_core.paged_blocks import PagedBlocks
 from kvxfer.client.engine_core.reconnecting import Reconnecting
+from kvxfer.client.integrations.vllm.block_tables import NULL_BLOCK, layer_tables
 from kvxfer.client.integrations.vllm.layout import (
     BlockLayout,
     as_blocks,
@@ -57,6 +57,7 @@ from kvxfer.client.integrations.vllm.layout import (
     engine_blocks,
 )
 from kvxfer.client.integrations.vllm.protocol import Load, Save, StepPlan, rank_transfer
+from kvxfer.client.integrations.vllm.pull_plan import Loading, Part, planned_pulls
 from kvxfer.client.integrations.vllm.settings import ConnectorSettings
 from kvxfer.client.integrations.vllm.stats import IntervalStats, LoadTimeline, TransferStats
 from kvxfer.client.library import KvxferClient
@@ -66,13 +67,9 @@ from kvxfer.errors import (
     TransferAbortedError,
     TransferExistsError,
 )
-from kvxfer.offer_parts import WHOLE_OFFER, OfferPart, part_id
 from kvxfer.pages import PageRuns
-from kvxfer.status import TransferInfo
 
 log = logging.getLogger("kvxfer.integrations.vllm")
-
-
 
 Params = ParamSpec("Params")
 Result = TypeVar("Result")
@@ -91,55 +88,12 @@ def _timed(method: Callable[Concatenate[WorkerSide, Params], Result]
     return timed
 
 
-@dataclass
-class Loading:
-    """A load in flight: the load, its timeline, its pulls (one per prefill rank holding some
-    of this rank's KV heads) not landed yet, its copies running, and how it ended (once
-    ``outcome`` is set and no copy runs, it is reported)."""
-
-    load: Load
-    timeline: LoadTimeline
-    parts: int = 1
-    copying: int = 0
-    outcome: tuple[str, str] | None = None  # ("", "") landed; else (why, reason) it failed
-    reported: bool = False
-    infos: list[TransferInfo] = field(default_factory=list)
-    transfer_s: float = 0.0  # the longest of its pulls, from queued to ended
-    copy_s: float = 0.0  # its copies' seconds, added up
-
-
-@dataclass(frozen=True)
-class PlannedPull:
-    """One pull of a load: of prefill rank ``rank``'s transfer ``offer_id``, past its first
-    ``skip_pages`` or its part ``offer_part`` (shared with other decode ranks), where its pages
-    go, and its transfer id on our daemon."""
-
-    rank: int
-    offer_id: str
-    offer_part: OfferPart
-    places: Places
-    skip_pages: int
-
-    @property
-    def transfer_id(self) -> str:
-        """The pull's transfer id on our daemon."""
-        shared = self.offer_part.shared
-        return part_id(self.offer_id, self.offer_part.index) if shared else self.offer_id
-
-
-@dataclass(frozen=True)
-class Part:
-    """A pull in flight: the load it serves and what it pulls."""
-
-    loading: Loading
-    plan: PlannedPull
-
-
 class WorkerSide:
     """Moves one engine worker's KV blocks to and from its daemon."""
 
     def __init__(self, settings: ConnectorSettings, layout: BlockLayout, engine_id: str,
-                 rank: int = 0, interval: IntervalStats | None = None) -> None:
+                 rank: int = 0, interval: IntervalStats | None = None,
+                 kv_cache_config: Any = None) -> None:
         self._settings = settings
         self._layout = layout
         self._engine_id = engine_id
@@ -157,8 +111,11 @@ class WorkerSide:
                                                     timeout_s=settings.timeout_s,
                                                     remap=self._remap)
         self._landings: Landings[tuple[PullEnd[Part], float]] = Landings()
+        self._kv_cache_config = kv_cache_config
         self._layers: dict[str, int] = {}
         self._kv: list[torch.Tensor] = []
+        #: Per layer (in ``_kv``'s order), the block table its blocks follow (``block_tables``).
+        self._tables: tuple[int, ...] = ()
         self._plan = StepPlan()
         self._unsaved: dict[str, tuple[str, str]] = {}  # transfer id -> (reason, why) its save failed
         self._layers_saved: Counter[str] = Counter()  # transfer id -> layers copied this step
@@ -175,11 +132,13 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Map the daemon's pool and check that its pages are exactly this engine's blocks."""
         layers = engine_blocks(kv_caches, self._layout)
+        self._tables = layer_tables(self._kv_cache_config, list(layers), self._layout.block_size)
         self._layers = {name: i for i, name in enumerate(layers)}
         self._kv = list(layers.values())
         self._attach()
-        log.info("kvxfer: %d layers of %d-byte blocks through pool %r of %s", len(layers),
-                 self._layout.block_bytes, self._settings.pool, self._settings.daemon)
+        log.info("kvxfer: %d layers of %d-byte blocks in %d block tables through pool %r of %s",
+                 len(layers), self._layout.block_bytes, len(set(self._tables)),
+                 self._settings.pool, self._settings.daemon)
 
     def _attach(self) -> None:
         """Map the daemon's pool (dropping an earlier mapping first) and follow its endings
@@ -236,10 +195,11 @@ class WorkerSide:
             start = time.perf_counter()
             try:
                 pages = save.pages[self._rank]
-                places = Places.of(save.block_ids, self._layout.token_pages_per_block, 0,
+                layer = self._layers[layer_name]
+                places = Places.of(save.block_tables[self._tables[layer]],
+                                   self._layout.token_pages_per_block, 0,
                                    len(pages) // self._layout.groups, range(self._layout.groups))
-                self._blocks.copy_out(self._layers[layer_name], as_blocks(kv_layer), places,
-                                      pages)
+                self._blocks.copy_out(layer, as_blocks(kv_layer), places, pages)
                 self._layers_saved[save.transfer_id] += 1
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
                 self._unsaved[save.transfer_id] = ("COPY_FAILED",
@@ -310,32 +270,13 @@ class WorkerSide:
             except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
                 self._fail(loading, f"{type(exc).__name__}: {exc}", failure_reason(exc))
 
-    def _pulls(self, load: Load, rank: int) -> list[PlannedPull]:
-        """``load``'s pulls on decode rank ``rank``: one per prefill rank holding some of its
-        KV heads, all of that rank's transfer or, shared with other decode ranks, a part."""
-        ours = self._layout.page.split
-        theirs = HeadSplit(ours.num_kv_heads, load.prefill_tp, ours.page_heads)
-        parts = []
-        for source in sources(theirs, ours, rank):
-            offer = rank_transfer(load.transfer_id, source.rank, load.prefill_tp)
-            places = Places.of(load.block_ids, self._layout.token_pages_per_block,
-                               load.first_page, load.num_pages, source.places)
-            sharing = pullers(theirs, ours, source.rank)
-            whole = len(sharing) == 1 and source.whole(theirs.groups)
-            part = WHOLE_OFFER if whole else OfferPart(
-                sharing.index(rank), len(sharing), PageRuns.from_pages(
-                    source.offer_pages(theirs.groups, load.first_page, load.num_pages)))
-            parts.append(PlannedPull(source.rank, offer, part, places,
-                                     load.first_page * theirs.groups if whole else 0))
-        return parts
-
     def _start(self, loading: Loading) -> None:
         """Queue ``loading``'s pulls, into pages leased for each, through our mapping's memory
         epoch (``engine_core.loads`` retries once, re-attached, if the daemon restarted
         since). A transfer id this worker is still loading (params used twice) is refused."""
         load = loading.load
         loading.timeline.mark("started")
-        plans = self._pulls(load, self._rank)
+        plans = planned_pulls(self._layout, load, self._rank)
         for plan in plans:
             self._loads.check_free(plan.transfer_id)
         if not self._blocks.attached:  # an earlier re-attach failed: try again before pulling
@@ -344,7 +285,7 @@ class WorkerSide:
         for plan in plans:
             self._loads.start(
                 Part(loading, plan), plan.offer_id, peer=load.peer, pool=self._settings.pool,
-                pages=len(plan.places), skip_pages=plan.skip_pages, part=plan.offer_part,
+                pages=plan.num_pages, skip_pages=plan.skip_pages, part=plan.offer_part,
                 capability=load.capabilities[plan.rank], prompt_digest=load.prompt_digest,
                 epoch=self._blocks.epoch, lease_s=self._settings.lease_s,
                 holder=f"vllm {self._engine_id}")
@@ -405,17 +346,21 @@ class WorkerSide:
                        "DAEMON_RESTARTED")
             return
         places = part.plan.places
-        pages = list(end.pull.lease.runs.pages())[:len(places)]
+        pages = list(end.pull.lease.runs.pages())[:part.plan.num_pages]
         loading.timeline.pulled = max(loading.timeline.pulled, end.pull.returned_unix)
         loading.timeline.mark("ended")  # the last of its pulls to end sets it
         self._landings.submit((end, time.perf_counter() - end.pull.started),
                               lambda: self._copy_in(rows, pages, places))
         loading.copying += 1
 
-    def _copy_in(self, rows: PagedBlocks, pages: list[int], places: Places) -> None:
-        """The landing thread's copy; on a GPU it returns once the device finished it (the
-        pages are released, and may be reused, when it returns)."""
-        rows.copy_in(self._kv, pages, places)
+    def _copy_in(self, rows: PagedBlocks, pages: list[int], places: Sequence[Places]) -> None:
+        """The landing thread's copy, each layer through its block table's ``places``, never
+        into vLLM's null block; on a GPU it returns once the device finished it (the pages
+        are released, and may be reused, when it returns)."""
+        landing = [table.without(NULL_BLOCK, pages) for table in places]
+        for layer, blocks in enumerate(self._kv):
+            table_places, table_pages = landing[self._tables[layer]]
+            rows.copy_in(layer, blocks, table_pages, table_places)
         if self._kv and self._kv[0].is_cuda:
             torch.cuda.current_stream(self._kv[0].device).synchronize()
 
@@ -462,7 +407,7 @@ class WorkerSide:
         """Abort the pulls the other ranks make for ``load`` (on our daemon, which is theirs)."""
         try:
             siblings = [plan.transfer_id for rank in range(self._layout.tp_size)
-                        if rank != self._rank for plan in self._pulls(load, rank)]
+                        if rank != self._rank for plan in planned_pulls(self._layout, load, rank)]
         except Exception as exc:  # noqa: BLE001 - no failure may reach vLLM's worker loop
             log.error("request %s: could not tell which transfers the other ranks pull (%s: "
                       "%s); they end at their deadline", load.req_id, type(exc).__name__, exc)

@@ -1,0 +1,107 @@
+"""A hybrid model through real engines, vLLM's hybrid KV cache manager on: run by
+test_vllm.py under the vLLM environment; prints what it saw as JSON.
+
+The tiny model, built with a sliding window (``tiny_model.hybrid_layers``: odd layers see
+only the last ``WINDOW`` tokens), has two kinds of layers, so vLLM keeps two KV cache groups,
+each with its block table, and frees a sliding-window layer's blocks before its window (its
+table then names the null block). A prefill and a decode engine with KvxferConnector (which
+declares ``SupportsHMA``, so the manager stays on) serve behind vllm-router. The prefill
+engine first answers every prompt itself (the plain answers: no transfer in them); then the
+same prompts go through the router, longer than the window. One load fails on purpose (its
+params carry another capability): with two groups, vLLM's block-level load-error path
+raises, so the connector reports it per request and the decode engine computes the prompt.
+The negative control, ``careless`` (a decode engine of its own), copies every layer through
+the first block table (the tests' seam ``KVXFER_UNGUARDED=tables``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from vllm_client import ask, counters
+
+from kvxfer.client.integrations.vllm.deploy import BLOCK_SIZE, Disaggregation, VllmServer
+from kvxfer.client.integrations.vllm.processes import free_port
+from kvxfer.client.integrations.vllm.tiny_model import build, prompt
+
+HERE = Path(__file__).resolve().parent
+#: The sliding window of the model's odd layers, in tokens: under two blocks, so a prompt
+#: of several blocks leaves the sliding-window table null blocks before its window.
+WINDOW = 48
+#: Prompt lengths, in words (one token each): all past the window.
+LENGTHS = (150, 230)
+#: vLLM's count of prompt tokens by where they came from.
+SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
+
+
+def taken(engine: VllmServer, model: str) -> dict[str, float]:
+    """An engine's prompt tokens so far, by where they came from."""
+    return {name: engine.metric(SOURCE % (model, name))
+            for name in ("external_kv_transfer", "local_compute", "local_cache_hit")}
+
+
+def prefilled(engine: VllmServer, model: str, text: str, case: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` ``engine`` answers for ``text``."""
+    with engine.client() as http:
+        reply = http.post("/v1/completions", headers={"X-Request-Id": case}, json={
+            "model": model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        reply.raise_for_status()
+        params: dict[str, Any] = reply.json()["kv_transfer_params"]
+        return params
+
+
+def healthy(engine: VllmServer) -> bool:
+    with engine.client(timeout_s=10) as http:
+        return http.get("/health").status_code == 200
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workdir")
+    workdir = Path(parser.parse_args().workdir)
+    model = str(build(str(workdir / "model"), layers=4, sliding_window=WINDOW))
+    prompts = [prompt(seed=300 + i, words=n) for i, n in enumerate(LENGTHS)]
+    out: dict[str, Any] = {"model": model, "window": WINDOW, "lengths": LENGTHS}
+    careless_env = {"PYTHONPATH": str(HERE / "unguarded_engine"), "KVXFER_UNGUARDED": "tables"}
+    with Disaggregation(model, workdir, num_pages=256, ports=(free_port(), free_port(),
+                                                              free_port()),
+                        router=True, more_engines=("careless",)) as d:
+        assert d.prefill is not None and d.decode is not None
+        with d.prefill.client() as http:
+            out["plain"] = [ask(http, model, text, f"plain-{i}") for i, text in enumerate(prompts)]
+        before = counters(d, model)
+        with d.client() as http:
+            out["routed"] = [ask(http, model, text, f"routed-{i}") for i, text in enumerate(prompts)]
+        after = counters(d, model)
+        out["routed_moved"] = {k: after[k] - before[k] for k in after}
+
+        params = prefilled(d.prefill, model, prompts[0], "forged-prefill")
+        params["kvxfer"]["capabilities"] = ["0" * 32] * len(params["kvxfer"]["capabilities"])
+        with d.decode.client() as http:
+            before = taken(d.decode, model)
+            try:
+                out["forged"] = ask(http, model, prompts[0], "forged", params)
+            except RuntimeError as exc:
+                out["forged"] = {"error": str(exc)[:500]}
+            after = taken(d.decode, model)
+        out["forged_moved"] = {k: after[k] - before[k] for k in after}
+        out["decode_healthy"] = healthy(d.decode)
+        out["logs"] = {name: {"two_groups": "kv cache group sizes (32, 32)" in engine.log(),
+                              "hma_off": "Turning off hybrid kv cache manager" in engine.log()}
+                       for name, engine in (("prefill", d.prefill), ("decode", d.decode))}
+
+        _, careless = d.add_engine("careless", block_size=BLOCK_SIZE, page_size=BLOCK_SIZE,
+                                   role="kv_consumer", env=careless_env)
+        params = prefilled(d.prefill, model, prompts[1], "careless-prefill")
+        with careless.client() as http:
+            out["careless"] = ask(http, model, prompts[1], "careless", params)
+        out["careless_moved"] = taken(careless, model)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
