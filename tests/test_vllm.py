@@ -599,3 +599,27 @@ def test_negative_control_one_block_table_for_every_layer_changes_a_hybrid_answe
     loads the prompt from the transfer and answers otherwise."""
     assert run_hybrid["careless_moved"]["external_kv_transfer"] == run_hybrid["lengths"][1]
     assert off_by(run_hybrid["plain"][1], run_hybrid["careless"]).startswith("tokens")
+
+
+# Offers outlive long queues (#32 point 9), on the hybrid pair: one request at a time, offers
+# of OFFER_S seconds unless kept, prompts queued behind long plain requests.
+
+def test_a_queue_longer_than_an_offers_lifetime_still_loads_every_prompt(run_hybrid) -> None:
+    """Prefilled prompts queued at the decode engine for over twice an offer's lifetime: the
+    connector kept their offers alive at the prefill daemon, and every prompt token came from
+    a transfer."""
+    phase = run_hybrid["queue"]
+    assert min(phase["seconds"]) > 2 * run_hybrid["offer_s"], phase["seconds"]
+    assert phase["moved"] == {"external_kv_transfer": phase["prompt_tokens"],
+                              "local_compute": 0, "local_cache_hit": 0}
+    assert phase["keeps"] >= 1
+
+
+def test_negative_control_without_keeping_offers_a_long_queue_outlives_them(run_hybrid) -> None:
+    """The same queue at ``careless`` (``keep_offers_every_s: 0``): no offer kept, each ended
+    at its deadline while its request waited, and every prompt was computed there."""
+    phase = run_hybrid["careless_queue"]
+    assert min(phase["seconds"]) > 2 * run_hybrid["offer_s"], phase["seconds"]
+    assert phase["keeps"] == 0
+    assert phase["moved"] == {"external_kv_transfer": 0, "local_compute": phase["prompt_tokens"],
+                              "local_cache_hit": 0}

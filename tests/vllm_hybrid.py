@@ -12,16 +12,26 @@ params carry another capability): with two groups, vLLM's block-level load-error
 raises, so the connector reports it per request and the decode engine computes the prompt.
 The negative control, ``careless`` (a decode engine of its own), copies every layer through
 the first block table (the tests' seam ``KVXFER_UNGUARDED=tables``).
+
+Offers outlive long queues (#32 point 9): every engine runs one request at a time
+(``--max-num-seqs 1``) and an offer lives ``OFFER_S`` seconds unless kept. ``QUEUED`` prompts
+are prefilled, then sent to the decode engine behind ``BLOCKERS`` long plain requests: they
+wait in its queue several offer lifetimes before vLLM asks for their KV, their offers kept
+alive by the connector (``offer_keeper``); ``careless`` does not keep offers
+(``keep_offers_every_s: 0``), so there the same queue outlives the offers and those prompts
+are computed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from vllm_client import ask, counters
+from vllm_client import ask, counters, metric
 
 from kvxfer.client.integrations.vllm.deploy import BLOCK_SIZE, Disaggregation, VllmServer
 from kvxfer.client.integrations.vllm.processes import free_port
@@ -33,6 +43,11 @@ HERE = Path(__file__).resolve().parent
 WINDOW = 48
 #: Prompt lengths, in words (one token each): all past the window.
 LENGTHS = (150, 230)
+#: An offer's lifetime unless kept (the connector's ``timeout_s``), in seconds.
+OFFER_S = 2.0
+#: Prompts queued at once at a decode engine behind ``BLOCKERS`` plain requests of ``LONG``
+#: tokens each (each 1.5 s here: the queue lasts several offer lifetimes).
+QUEUED, BLOCKERS, LONG = 4, 4, 900
 #: vLLM's count of prompt tokens by where they came from.
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
 
@@ -54,6 +69,49 @@ def prefilled(engine: VllmServer, model: str, text: str, case: str) -> dict[str,
         return params
 
 
+def queue(engine: VllmServer, model: str, params: list[dict[str, Any]], prompts: list[str],
+          case: str) -> list[float]:
+    """``BLOCKERS`` plain requests of ``LONG`` tokens to ``engine``, then, once they are queued,
+    each prompt with its params, all at once: the seconds each of those took."""
+    def one(i: int, text: str, hints: dict[str, Any] | None, tokens: int) -> float:
+        start = time.monotonic()
+        with engine.client() as http:
+            reply = http.post("/v1/completions", headers={"X-Request-Id": f"{case}-{i}"}, json={
+                "model": model, "prompt": text, "max_tokens": tokens, "temperature": 0,
+                "ignore_eos": True, **({"kv_transfer_params": hints} if hints else {})})
+            reply.raise_for_status()
+            return time.monotonic() - start
+    with ThreadPoolExecutor(BLOCKERS + len(prompts)) as pool:
+        blockers = [pool.submit(one, -1 - i, prompt(seed=500 + i, words=16), None, LONG)
+                    for i in range(BLOCKERS)]
+        time.sleep(0.5)  # the blockers arrive first
+        queued = [pool.submit(one, i, text, hints, 4)
+                  for i, (text, hints) in enumerate(zip(prompts, params, strict=True))]
+        for blocker in blockers:
+            blocker.result()
+        return [future.result() for future in queued]
+
+
+def queue_phase(d: Disaggregation, engine: VllmServer, daemon_port: int | None, model: str,
+                case: str) -> dict[str, Any]:
+    """``QUEUED`` prompts prefilled, then queued at ``engine`` behind the blockers: the
+    seconds each took, where their prompt tokens came from, and the KeepOffers calls its
+    daemon answered."""
+    assert d.prefill is not None
+    prompts = [prompt(seed=400 + i + (100 if case == "careless" else 0), words=64)
+               for i in range(QUEUED)]
+    params = [prefilled(d.prefill, model, text, f"{case}-queue-prefill-{i}")
+              for i, text in enumerate(prompts)]
+    keeps = 'kvxfer_rpcs_total{code="OK",method="KeepOffers"}'
+    before, keeps_before = taken(engine, model), metric(daemon_port, keeps)
+    seconds = queue(engine, model, params, prompts, f"{case}-queue")
+    after = taken(engine, model)
+    moved = {k: after[k] - before[k] for k in after}
+    moved["local_compute"] -= BLOCKERS * 16  # the blockers' prompts
+    return {"seconds": seconds, "moved": moved,
+            "keeps": metric(daemon_port, keeps) - keeps_before, "prompt_tokens": QUEUED * 64}
+
+
 def healthy(engine: VllmServer) -> bool:
     with engine.client(timeout_s=10) as http:
         return http.get("/health").status_code == 200
@@ -65,11 +123,14 @@ def main() -> None:
     workdir = Path(parser.parse_args().workdir)
     model = str(build(str(workdir / "model"), layers=4, sliding_window=WINDOW))
     prompts = [prompt(seed=300 + i, words=n) for i, n in enumerate(LENGTHS)]
-    out: dict[str, Any] = {"model": model, "window": WINDOW, "lengths": LENGTHS}
+    out: dict[str, Any] = {"model": model, "window": WINDOW, "lengths": LENGTHS,
+                           "offer_s": OFFER_S}
     careless_env = {"PYTHONPATH": str(HERE / "unguarded_engine"), "KVXFER_UNGUARDED": "tables"}
     with Disaggregation(model, workdir, num_pages=256, ports=(free_port(), free_port(),
                                                               free_port()),
-                        router=True, more_engines=("careless",)) as d:
+                        router=True, more_engines=("careless",),
+                        engine_args=["--max-num-seqs", "1"],
+                        connector={"timeout_s": OFFER_S}) as d:
         assert d.prefill is not None and d.decode is not None
         with d.prefill.client() as http:
             out["plain"] = [ask(http, model, text, f"plain-{i}") for i, text in enumerate(prompts)]
@@ -94,12 +155,18 @@ def main() -> None:
                               "hma_off": "Turning off hybrid kv cache manager" in engine.log()}
                        for name, engine in (("prefill", d.prefill), ("decode", d.decode))}
 
-        _, careless = d.add_engine("careless", block_size=BLOCK_SIZE, page_size=BLOCK_SIZE,
-                                   role="kv_consumer", env=careless_env)
+        assert d.decode_daemon is not None
+        out["queue"] = queue_phase(d, d.decode, d.decode_daemon.metrics_port, model, "decode")
+
+        careless_daemon, careless = d.add_engine(
+            "careless", block_size=BLOCK_SIZE, page_size=BLOCK_SIZE, role="kv_consumer",
+            env=careless_env, connector={"keep_offers_every_s": 0})
         params = prefilled(d.prefill, model, prompts[1], "careless-prefill")
         with careless.client() as http:
             out["careless"] = ask(http, model, prompts[1], "careless", params)
         out["careless_moved"] = taken(careless, model)
+        out["careless_queue"] = queue_phase(d, careless, careless_daemon.metrics_port, model,
+                                            "careless")
     print(json.dumps(out))
 
 

@@ -121,9 +121,12 @@ def main() -> None:
         # on; vllm-router replaces both.
         ports = (free(), free(), free()) if args.controls else None
         # The daemons may dial 127.0.0.1 only: the trust phase names 127.0.0.2 as a peer.
+        # Heartbeats every 2 s (a peer is lost after 7 s of silence, not 4): with three TP 2
+        # engines on 2 cores a daemon went 4 s without beating once (2026-12-07), and the
+        # load it served failed.
         with Disaggregation(model, workdir, num_pages=512, tp=args.tp, ports=ports,
                             more_engines=("wide",) if args.controls else ("narrow",),
-                            daemon_args=["--dial-allow", "127.0.0.1/32"],
+                            daemon_args=["--dial-allow", "127.0.0.1/32", "--heartbeat-s", "2"],
                             engine_args=["--enable-log-requests"] if args.controls else [],
                             failure_policy=args.failure_policy,
                             decode_daemon_launcher=[sys.executable, str(HERE / "corrupting_daemon.py"),

@@ -205,7 +205,8 @@ class Disaggregation:
     the decode engine's ``kv_load_failure_policy``; ``max_model_len`` is both engines';
     ``ports`` are the front's, the prefill's and the decode engine's (None: unix sockets
     in ``workdir``; vllm-router needs ports); ``more_engines`` names the engines
-    ``add_engine`` may add (their daemons' certificates are issued at start).
+    ``add_engine`` may add (their daemons' certificates are issued at start);
+    ``connector`` holds more ``kv_connector_extra_config`` settings for both engines.
     """
 
     def __init__(self, model: str, workdir: Path, *, num_pages: int = 1024, verify: bool = False,
@@ -215,7 +216,8 @@ class Disaggregation:
                  engine_env: dict[str, str] | None = None,
                  failure_policy: str = "recompute", max_model_len: int = 1024,
                  ports: tuple[int, int, int] | None = None, router: bool = False,
-                 more_engines: tuple[str, ...] = ()) -> None:
+                 more_engines: tuple[str, ...] = (),
+                 connector: dict[str, Any] | None = None) -> None:
         if router and ports is None:
             raise ValueError("vllm-router reaches engines over TCP: give ports")
         self.model = model
@@ -235,6 +237,7 @@ class Disaggregation:
         self.ports = ports
         self.router = router
         self.more_engines = more_engines
+        self.connector = connector or {}
         self._tls: Path | None = None
         self._stack = ExitStack()
         self.front_address = ""
@@ -270,14 +273,14 @@ class Disaggregation:
                                   extra_args=self.engine_args, env=self.engine_env,
                                   kv_transfer=connector_config(
                                       "kv_producer", self.prefill_daemon.worker_address,
-                                      verify=self.verify,
+                                      verify=self.verify, **self.connector,
                                       stats_file=str(workdir / "prefill-stats.jsonl")))
         self.decode = VllmServer("decode", self.model, workdir, port=decode_port, tp=self.tp,
                                  max_model_len=self.max_model_len,
                                  extra_args=self.engine_args, env=self.engine_env,
                                  kv_transfer=connector_config(
                                      "kv_consumer", self.decode_daemon.worker_address,
-                                     failure_policy=self.failure_policy,
+                                     failure_policy=self.failure_policy, **self.connector,
                                      stats_file=str(workdir / "decode-stats.jsonl")))
         for engine in (self.prefill, self.decode):  # both start at once: imports dominate
             self._stack.callback(engine.stop)
@@ -302,14 +305,14 @@ class Disaggregation:
 
     def add_engine(self, name: str, *, block_size: int, page_size: int,
                    role: str = "kv_both", tp: int | None = None,
-                   page_heads: int = 0, env: dict[str, str] | None = None
-                   ) -> tuple[LocalDaemon, VllmServer]:
+                   page_heads: int = 0, env: dict[str, str] | None = None,
+                   connector: dict[str, Any] | None = None) -> tuple[LocalDaemon, VllmServer]:
         """Start one more engine (one of ``more_engines``) beside the pair, with a daemon of
         its own that talks to theirs: blocks of ``block_size`` tokens through pages of
         ``page_size`` tokens and ``page_heads`` KV heads (0: a rank's; the pair's daemons
         must use those pages too), on ``tp`` ranks (None: the pair's), with ``env`` added to
-        the engines' environment. Both are stopped with the rest. Not put behind the front:
-        requests go to it directly."""
+        the engines' environment and ``connector`` to the pair's connector settings. Both
+        are stopped with the rest. Not put behind the front: requests go to it directly."""
         if name not in self.more_engines or self._tls is None:
             raise ValueError(f"engine {name!r} is not one of more_engines {self.more_engines} "
                              "of a started deployment")
@@ -326,6 +329,7 @@ class Disaggregation:
                             env={**(self.engine_env or {}), **(env or {})},
                             kv_transfer=connector_config(
                                 role, daemon.worker_address, page_size=page_size, **heads,
+                                **{**self.connector, **(connector or {})},
                                 stats_file=str(self.workdir / f"{name}-stats.jsonl")))
         self._stack.callback(engine.stop)
         engine.spawn().wait_ready()
