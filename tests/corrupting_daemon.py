@@ -1,6 +1,6 @@
 """``kvxfer serve`` whose receiver flips the first byte of transfers it receives, and never
-asks for rank 0's shard of a transfer whose id contains ``STALL``: the tests' fault double
-(the production receiver has no such hook).
+asks for rank 0's shard (or part 0 of an offer shared by several ranks) of a transfer whose
+id contains ``STALL``: the tests' fault double (the production receiver has no such hook).
 
 usage: python tests/corrupting_daemon.py MARKER SERVE-ARGS...
 
@@ -31,17 +31,18 @@ def corrupting(marker: str) -> None:
     Receiver._landed = flip_then_land  # type: ignore[method-assign]
 
 
-#: A transfer whose id contains this has its rank 0 shard (``.../tp0``) never asked for.
+#: A transfer whose id contains this has its rank 0 shard (``.../tp0``), or its part 0
+#: (``...#0``), never asked for.
 STALL = "stall-rank0"
 
 
 def stalling() -> None:
-    """Make every ``Receiver`` of this process leave rank 0's pull of a ``STALL`` transfer
-    waiting."""
+    """Make every ``Receiver`` of this process leave rank 0's pull (or part 0's) of a
+    ``STALL`` transfer waiting."""
     start_pull = Receiver.start_pull
 
     def maybe_start(self: Receiver, t: Transfer) -> None:
-        if not (STALL in t.id and t.id.endswith("/tp0")):
+        if not (STALL in t.id and t.id.endswith(("/tp0", "#0"))):
             start_pull(self, t)
 
     Receiver.start_pull = maybe_start  # type: ignore[method-assign]

@@ -456,6 +456,20 @@ def test_when_one_rank_fails_the_request_fails_on_every_rank_at_once(run_tp2) ->
     assert transfers["tp1"][0] == "FAILED", transfers
 
 
+def test_when_one_decode_rank_of_a_shared_offer_fails_its_sibling_is_aborted_at_once(
+        run_tp2) -> None:
+    """TP 1 -> 2: the decode engine's two ranks pull parts of one offer. Part 1 fails its
+    checksum (a flipped byte) while part 0 is never asked for: rank 1 aborts part 0 with its
+    reason, so the request fails (policy ``fail``) without waiting for part 0's deadline.
+    As above, the proof is part 0's state and reason, not a clock."""
+    mixed = run_tp2["mixed_tp"]
+    assert "HTTP 500" in mixed["widened_fail"].get("error", ""), mixed["widened_fail"]
+    transfers = mixed["widened_fail_transfers"]
+    assert transfers["0"][0] == "ABORTED", transfers
+    assert "rank 1's load of it failed" in transfers["0"][1], transfers
+    assert transfers["1"][0] == "FAILED", transfers
+
+
 def test_with_policy_fail_a_failed_load_is_a_clean_error_and_the_engine_serves_on(run_tp2) -> None:
     """vLLM's default policy: a load refused (a wrong capability on both ranks, straight to
     the decode engine) answers HTTP 500 (streamed: an error chunk, no text) instead of an

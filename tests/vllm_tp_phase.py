@@ -8,6 +8,11 @@ loads what the narrow engine computed (TP 1 -> 2): each of its ranks pulls its o
 the one transfer. Each answer is recorded with the plain answers of both engines (asked
 with a ``cache_salt``, so they neither hit nor fill the prefix cache), the tokens each
 engine took from a transfer and the transfers each daemon saw.
+
+Then one decode rank's part fails while the other's waits (TP 1 -> 2, ``SPLIT_FAIL``): the
+pair's decode daemon (``corrupting_daemon.py``) flips a byte of part 1, checksummed, so it
+fails, and never asks for part 0; the failing rank must abort part 0 (its sibling's), and the
+request fail (the pair's policy is ``fail``) without waiting for part 0's deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +31,22 @@ PAGE_HEADS = 1
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
 #: The prompts loaded TP 2 -> 1, and TP 1 -> 2.
 NARROWED, WIDENED = ("K0", "K1", "K2"), ("K3", "K4")
+#: The prefill request id whose transfer's part 1 the pair's decode daemon corrupts and whose
+#: part 0 it stalls (``corrupting_daemon``: "corrupt" and ``STALL``).
+SPLIT_FAIL = "stall-rank0-corrupt-widen"
+
+
+def failed_part(phase: Phase, narrow: VllmServer) -> dict[str, Any]:
+    """``K5`` computed by the narrow engine with checksums (``SPLIT_FAIL``), loaded by the
+    pair's decode engine: its answer (an error, by policy)."""
+    with narrow.client() as http:
+        reply = http.post("/v1/completions", headers={"X-Request-Id": SPLIT_FAIL}, json={
+            "model": phase.model, "prompt": PROMPTS["K5"], "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "verify": True}})
+        reply.raise_for_status()
+        params: dict[str, Any] = reply.json()["kv_transfer_params"]
+    phase.capabilities.extend(params["kvxfer"]["capabilities"])
+    return phase.direct("K5", params, "widen-fail")
 
 
 def run(d: Disaggregation, model: str) -> dict[str, Any]:
@@ -62,6 +83,10 @@ def run(d: Disaggregation, model: str) -> dict[str, Any]:
     with KvxferClient(d.decode_daemon.worker_address) as client:
         out["pair_transfers"] = {i.transfer_id: [i.role.name, i.state.name, i.pages]
                                  for i in client.transfers() if "from-narrow" in i.transfer_id}
+    out["widened_fail"] = failed_part(phase, narrow)
+    with KvxferClient(d.decode_daemon.worker_address) as client:
+        out["widened_fail_transfers"] = {i.transfer_id.rsplit("#", 1)[-1]: [i.state.name, i.error]
+                                         for i in client.transfers() if SPLIT_FAIL in i.transfer_id}
     for name in (*NARROWED, *WIDENED):
         out["plain_narrow"][name] = plain(narrow, name)
         out["plain_pair"][name] = plain(d.decode, name)
