@@ -18,6 +18,7 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
+from kvxfer.client.integrations.vllm import connector as connector_module
 from kvxfer.client.integrations.vllm.connector import KvxferConnector, KvxferMetadata
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
@@ -47,6 +48,7 @@ def connector(unguarded: bool) -> KvxferConnector:
     shell._manager = SimpleNamespace(get_block_ids=lambda req_id: ([1, 2],))
     shell.failures = Counter()
     shell._interval = IntervalStats()
+    shell._kv_cache_config = None
     if unguarded:
         shell._guarded = lambda what, call, fallback: call()
     return shell
@@ -69,6 +71,10 @@ def main() -> None:
         "update_connector_output": ("scheduler", "finished_loading",
                                     lambda c: c.update_connector_output(SimpleNamespace(finished_recving={"r"}))),
         "request_finished": ("scheduler", "request_finished", lambda c: c.request_finished(request, [1, 2])),
+        "request_finished_all_groups": ("scheduler", "request_finished",
+                                        lambda c: c.request_finished_all_groups(request, ([1, 2],))),
+        "get_loaded_kv_cache_group_ids": ("module", "transfer_groups",
+                                          lambda c: c.get_loaded_kv_cache_group_ids(request)),
         "bind_connector_metadata": ("worker", "bind",
                                     lambda c: c.bind_connector_metadata(KvxferMetadata(StepPlan()))),
         "start_load_kv": ("worker", "start_load_kv", lambda c: c.start_load_kv(None)),
@@ -80,12 +86,17 @@ def main() -> None:
     report = {}
     for entry, (half, method, call) in calls.items():
         shell = connector(unguarded)
-        owner = {"scheduler": shell._scheduler, "worker": shell._worker, "interval": shell._interval}
+        owner = {"scheduler": shell._scheduler, "worker": shell._worker,
+                 "interval": shell._interval, "module": connector_module}
+        kept = getattr(owner[half], method)
         setattr(owner[half], method, broken(method))
         try:
             answer, raised = call(shell), False
         except RuntimeError:
             answer, raised = None, True
+        finally:
+            if half == "module":
+                setattr(owner[half], method, kept)
         report[entry] = {"raised": raised, "answer": repr(answer), "failures": shell.failures[entry]}
     print(json.dumps(report))
 

@@ -26,6 +26,8 @@ FALLBACKS = {
     "build_connector_meta": "KvxferMetadata(plan=StepPlan(saves=[], loads=[], cancels=[], idle=False))",
     "update_connector_output": "None",
     "request_finished": "(False, None)",  # blocks freed, no params: the decode side computes
+    "request_finished_all_groups": "(False, None)",  # the same, with vLLM's hybrid manager
+    "get_loaded_kv_cache_group_ids": "()",  # no group restored: vLLM may zero them all
     "bind_connector_metadata": "None",
     "start_load_kv": "None",
     "save_kv_layer": "None",

@@ -582,17 +582,28 @@ def off_by(want: dict[str, Any], got: dict[str, Any]) -> str:
 def test_a_hybrid_model_loads_every_prompt_token_through_two_block_tables_and_answers_right(
         run_hybrid) -> None:
     """Both engines keep two KV cache groups (vLLM did not turn its hybrid manager off); each
-    prompt, longer than the sliding window, is loaded whole from the transfer and answered as
-    the prefill engine answers it by itself."""
+    prompt, longer than the sliding window (one of 143 tokens: its last token's window starts
+    on a block boundary), is loaded from the transfer but its last token, which the decode
+    engine computes, and answered as the prefill engine answers it by itself."""
     assert run_hybrid["logs"] == dict.fromkeys(("prefill", "decode"),
                                                {"two_groups": True, "hma_off": False})
     lengths = run_hybrid["lengths"]
-    assert min(lengths) > 2 * run_hybrid["window"]
+    assert min(lengths) > 2 * run_hybrid["window"] and 143 in lengths
     assert [off_by(w, g) for w, g in zip(run_hybrid["plain"], run_hybrid["routed"],
                                           strict=True)] == ["", ""]
     moved = run_hybrid["routed_moved"]
-    assert moved["external_kv_transfer"] == sum(lengths) and moved["local_compute"] == 0
+    assert moved["external_kv_transfer"] == sum(lengths) - len(lengths)
+    assert moved["local_compute"] == len(lengths)
     assert moved["decode_daemon_done"] == moved["prefill_daemon_done"] == len(lengths)
+
+
+def test_a_hybrid_prompt_past_a_prefix_cache_hit_loads_each_table_past_it(run_hybrid) -> None:
+    """A prompt extending the first: its start is a hit in the decode engine's prefix cache
+    (both groups), the rest comes from the transfer, and the answer is the prefill engine's."""
+    moved = run_hybrid["extended_moved"]
+    assert moved["local_cache_hit"] > 0 and moved["external_kv_transfer"] > 0, moved
+    assert moved["local_compute"] == 1, moved
+    assert off_by(run_hybrid["plain_extended"], run_hybrid["routed_extended"]) == ""
 
 
 def test_with_a_hybrid_models_two_block_tables_a_failed_load_is_reported_per_request(
@@ -600,9 +611,10 @@ def test_with_a_hybrid_models_two_block_tables_a_failed_load_is_reported_per_req
     """A load that fails (another capability in its params) with two KV cache groups, where
     vLLM's block-level load-error path raises: the connector reports it per request, the
     decode engine computes the prompt itself and answers right, and it stays healthy."""
-    assert off_by(run_hybrid["plain"][0], run_hybrid["forged"]) == ""
+    assert off_by(run_hybrid["plain_forged"], run_hybrid["forged"]) == ""
     assert run_hybrid["forged_moved"] == {"external_kv_transfer": 0,
-                                          "local_compute": run_hybrid["lengths"][0],
+                                          "local_compute": run_hybrid["plain_forged"][
+                                              "prompt_tokens"],
                                           "local_cache_hit": 0}
     assert run_hybrid["decode_healthy"] is True
 
@@ -611,8 +623,17 @@ def test_negative_control_one_block_table_for_every_layer_changes_a_hybrid_answe
         run_hybrid) -> None:
     """A decode engine copying every layer through the first block table (the tests' seam)
     loads the prompt from the transfer and answers otherwise."""
-    assert run_hybrid["careless_moved"]["external_kv_transfer"] == run_hybrid["lengths"][1]
+    assert run_hybrid["careless_moved"]["external_kv_transfer"] == run_hybrid["lengths"][1] - 1
     assert off_by(run_hybrid["plain"][1], run_hybrid["careless"]).startswith("tokens")
+
+
+def test_negative_control_loading_a_hybrid_prompts_last_token_too_changes_its_answer(
+        run_hybrid) -> None:
+    """A decode engine loading the whole 143-token prompt (the tests' seam): vLLM recomputes
+    its last token with the oldest token of that token's window in a null block."""
+    assert run_hybrid["unwindowed_moved"]["external_kv_transfer"] == 143
+    assert off_by(run_hybrid["plain"][0], run_hybrid["unwindowed"]).startswith(
+        ("a logprob off", "tokens")), run_hybrid["unwindowed"]
 
 
 # Offers outlive long queues (#32 point 9), on the hybrid pair: one request at a time, offers
@@ -624,8 +645,9 @@ def test_a_queue_longer_than_an_offers_lifetime_still_loads_every_prompt(run_hyb
     a transfer."""
     phase = run_hybrid["queue"]
     assert min(phase["seconds"]) > 2 * run_hybrid["offer_s"], phase["seconds"]
-    assert phase["moved"] == {"external_kv_transfer": phase["prompt_tokens"],
-                              "local_compute": 0, "local_cache_hit": 0}
+    queued = len(phase["seconds"])  # each computes its last prompt token
+    assert phase["moved"] == {"external_kv_transfer": phase["prompt_tokens"] - queued,
+                              "local_compute": queued, "local_cache_hit": 0}
     assert phase["keeps"] >= 1
 
 

@@ -7,11 +7,14 @@ each with its block table, and frees a sliding-window layer's blocks before its 
 table then names the null block). A prefill and a decode engine with KvxferConnector (which
 declares ``SupportsHMA``, so the manager stays on) serve behind vllm-router. The prefill
 engine first answers every prompt itself (the plain answers: no transfer in them); then the
-same prompts go through the router, longer than the window. One load fails on purpose (its
+same prompts go through the router, longer than the window, and one that extends the first
+(its start a prefix-cache hit on the decode engine, so each table is loaded past it). One load fails on purpose (its
 params carry another capability): with two groups, vLLM's block-level load-error path
 raises, so the connector reports it per request and the decode engine computes the prompt.
-The negative control, ``careless`` (a decode engine of its own), copies every layer through
-the first block table (the tests' seam ``KVXFER_UNGUARDED=tables``).
+The negative controls are decode engines of their own: ``careless`` copies every layer
+through the first block table (the tests' seam ``KVXFER_UNGUARDED=tables``);
+``unwindowed`` loads the last prompt token too (``window``), so at 143 tokens the last
+token's window starts in a block vLLM nulled.
 
 Offers outlive long queues (#32 point 9): every engine runs one request at a time
 (``--max-num-seqs 1``) and an offer lives ``OFFER_S`` seconds unless kept. ``QUEUED`` prompts
@@ -42,7 +45,9 @@ HERE = Path(__file__).resolve().parent
 #: of several blocks leaves the sliding-window table null blocks before its window.
 WINDOW = 48
 #: Prompt lengths, in words (one token each): all past the window.
-LENGTHS = (150, 230)
+#: (143: the oldest token of the last one's window is the last of a block that vLLM would
+#: null, had it been told the whole prompt was loaded: ``block_tables.windowed``.)
+LENGTHS = (143, 230)
 #: An offer's lifetime unless kept (the connector's ``timeout_s``), in seconds.
 OFFER_S = 2.0
 #: Prompts queued at once at a decode engine behind ``BLOCKERS`` plain requests of ``LONG``
@@ -128,24 +133,32 @@ def main() -> None:
     careless_env = {"PYTHONPATH": str(HERE / "unguarded_engine"), "KVXFER_UNGUARDED": "tables"}
     with Disaggregation(model, workdir, num_pages=256, ports=(free_port(), free_port(),
                                                               free_port()),
-                        router=True, more_engines=("careless",),
+                        router=True, more_engines=("careless", "unwindowed"),
                         engine_args=["--max-num-seqs", "1"],
                         connector={"timeout_s": OFFER_S}) as d:
         assert d.prefill is not None and d.decode is not None
+        extended = f"{prompts[0]} {prompt(seed=310, words=60)}"  # hits the decode's cache
+        forged = prompt(seed=320, words=150)  # in no cache of the decode engine
         with d.prefill.client() as http:
             out["plain"] = [ask(http, model, text, f"plain-{i}") for i, text in enumerate(prompts)]
+            out["plain_extended"] = ask(http, model, extended, "plain-extended")
+            out["plain_forged"] = ask(http, model, forged, "plain-forged")
         before = counters(d, model)
         with d.client() as http:
             out["routed"] = [ask(http, model, text, f"routed-{i}") for i, text in enumerate(prompts)]
         after = counters(d, model)
         out["routed_moved"] = {k: after[k] - before[k] for k in after}
+        with d.client() as http:
+            out["routed_extended"] = ask(http, model, extended, "routed-extended")
+        extended_after = counters(d, model)
+        out["extended_moved"] = {k: extended_after[k] - after[k] for k in after}
 
-        params = prefilled(d.prefill, model, prompts[0], "forged-prefill")
+        params = prefilled(d.prefill, model, forged, "forged-prefill")
         params["kvxfer"]["capabilities"] = ["0" * 32] * len(params["kvxfer"]["capabilities"])
         with d.decode.client() as http:
             before = taken(d.decode, model)
             try:
-                out["forged"] = ask(http, model, prompts[0], "forged", params)
+                out["forged"] = ask(http, model, forged, "forged", params)
             except RuntimeError as exc:
                 out["forged"] = {"error": str(exc)[:500]}
             after = taken(d.decode, model)
@@ -167,6 +180,15 @@ def main() -> None:
         out["careless_moved"] = taken(careless, model)
         out["careless_queue"] = queue_phase(d, careless, careless_daemon.metrics_port, model,
                                             "careless")
+        careless.stop()  # the cores, for the next
+
+        _, unwindowed = d.add_engine(
+            "unwindowed", block_size=BLOCK_SIZE, page_size=BLOCK_SIZE, role="kv_consumer",
+            env={**careless_env, "KVXFER_UNGUARDED": "window"})
+        params = prefilled(d.prefill, model, prompts[0], "unwindowed-prefill")
+        with unwindowed.client() as http:
+            out["unwindowed"] = ask(http, model, prompts[0], "unwindowed", params)
+        out["unwindowed_moved"] = taken(unwindowed, model)
     print(json.dumps(out))
 
 

@@ -13,6 +13,8 @@ through real engines; the connector has no such switch.
 - ``tables``: every layer's blocks are copied through the first KV cache group's block
   table (as a connector blind to vLLM's hybrid KV cache manager would), so a
   sliding-window layer's pages land in, and are cut from, the full-attention layers' blocks;
+- ``window``: an engine with a sliding-window group loads the prompt's last token too (as
+  if it had none), so vLLM sizes that group's table past the last token's window;
 - ``parsing``: ``kv_transfer_params`` read leniently (as before params v1: fields taken as
   they come) and the connector's entry points unguarded, so a malformed request raises into
   vLLM's scheduler.
@@ -110,6 +112,12 @@ def _unguard_tables() -> None:
     worker.layer_tables = lambda config, names, block_size: (0,) * len(names)  # type: ignore[assignment]
 
 
+def _unguard_window() -> None:
+    from kvxfer.client.integrations.vllm import connector
+
+    connector.windowed = lambda config: False  # type: ignore[assignment]
+
+
 _GUARDS = set(filter(None, os.environ.get("KVXFER_UNGUARDED", "").split(",")))
 if _GUARDS:
     if "epoch" in _GUARDS:
@@ -120,3 +128,5 @@ if _GUARDS:
         _unguard_tiling()
     if "tables" in _GUARDS:
         _unguard_tables()
+    if "window" in _GUARDS:
+        _unguard_window()

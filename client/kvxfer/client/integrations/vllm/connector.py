@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from kvxfer.client.integrations.vllm.block_tables import layer_tables
+from kvxfer.client.integrations.vllm.block_tables import layer_tables, transfer_groups, windowed
 from kvxfer.client.integrations.vllm.layout import BlockLayout, cpu_block_format
 from kvxfer.client.integrations.vllm.metrics import KvxferConnectorStats, KvxferPromMetrics
 from kvxfer.client.integrations.vllm.model_identity import (
@@ -183,7 +183,8 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 settings, layout, model_identity(vllm_config), engine_id, producer=producer,
                 consumer=consumer,
                 client=KvxferClient(settings.daemon, name=f"vllm {engine_id} scheduler")
-                if producer else None, interval=self._interval, keeper=self._keeper)
+                if producer else None, interval=self._interval, keeper=self._keeper,
+                computes_last_token=windowed(kv_cache_config))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -220,6 +221,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             "get_num_new_matched_tokens",
             lambda: self._sched().get_num_new_matched_tokens(request, num_computed_tokens),
             lambda: self._sched().forget(request))
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every KV cache group that takes part in transfers: a load restores each layer's
+        blocks of the request (vLLM may zero new blocks of the others)."""
+        return self._guarded("get_loaded_kv_cache_group_ids",
+                             lambda: transfer_groups(self._kv_cache_config), tuple)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -260,7 +267,9 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``, as vLLM's hybrid KV cache manager calls it."""
-        return self.request_finished(request, block_ids[0] if block_ids else [])
+        params = self._guarded("request_finished_all_groups",
+                               lambda: self._sched().request_finished(request), lambda: None)
+        return False, params
 
     # -- worker half -------------------------------------------------------------------------
 

@@ -88,8 +88,11 @@ class SchedulerSide:
 
     def __init__(self, settings: ConnectorSettings, layout: BlockLayout, model: ModelIdentity,
                  engine_id: str, *, producer: bool, consumer: bool, client: KvxferClient | None,
-                 interval: IntervalStats | None = None, keeper: OfferKeeper | None = None) -> None:
+                 interval: IntervalStats | None = None, keeper: OfferKeeper | None = None,
+                 computes_last_token: bool = False) -> None:
         self._settings = settings
+        #: A load leaves the prompt's last token to the engine (``block_tables.windowed``).
+        self._held_back = 1 if computes_last_token else 0
         self._model = model
         #: What binds this engine's prompt digests to its model and layout.
         self._engine = engine_binding(layout.page.bytes_dict(), model.fingerprint)
@@ -139,7 +142,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """The prompt tokens a remote prefill holds beyond the local hit: loaded asynchronously.
 
-        Counted from the engine's own prompt; refused params load nothing (counted)."""
+        Counted from the engine's own prompt, but its last token where the engine computes it
+        (``computes_last_token``); refused params load nothing (counted)."""
         if not self._consumer:
             return 0, False
         remote = parse_remote_prefill(request.kv_transfer_params, self._layout, self._model)
@@ -154,7 +158,7 @@ class SchedulerSide:
                                                          "cannot be bound to it"))
             self._drop_offers(request, "a prompt given as embeddings loads nothing")
             return 0, False
-        count = int(request.num_prompt_tokens) - num_computed_tokens
+        count = int(request.num_prompt_tokens) - self._held_back - num_computed_tokens
         if count <= 0:
             self._drop_offers(request, "its whole prompt was cached here")
             return 0, False
