@@ -130,6 +130,12 @@ def run_hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return scenario(tmp_path_factory, script="vllm_hybrid.py")
 
 
+@pytest.fixture(scope="module")
+def run_mamba(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A Mamba2 hybrid served plainly, then with the connector (``vllm_mamba.py``)."""
+    return scenario(tmp_path_factory, script="vllm_mamba.py")
+
+
 def differences(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> list[str]:
     """How each answer differs (tokens, or logprobs bit for bit); empty when identical."""
     found = []
@@ -641,6 +647,16 @@ def test_negative_control_loading_a_hybrid_prompts_last_token_too_changes_its_an
     assert run_hybrid["unwindowed_moved"]["external_kv_transfer"] == 143
     assert off_by(run_hybrid["plain"][0], run_hybrid["unwindowed"]).startswith(
         ("a logprob off", "tokens")), run_hybrid["unwindowed"]
+
+
+def test_a_mamba_hybrid_runs_here_and_the_connector_refuses_it_at_start_by_name(
+        run_mamba) -> None:
+    """vLLM's CPU build serves the tiny Mamba2 hybrid (two KV cache groups); kvxfer does not
+    move Mamba state yet, so an engine with the connector stops at start, naming the group."""
+    assert len(run_mamba["plain"]["tokens"]) == 12 and run_mamba["plain_groups"], run_mamba
+    assert run_mamba["refused_exit"] not in (None, 0), run_mamba
+    assert any("is MambaSpec" in line and "model.layers.0.mixer" in line
+               for line in run_mamba["refusal"]), run_mamba["refusal"]
 
 
 # Offers outlive long queues (#32 point 9), on the hybrid pair: one request at a time, offers

@@ -8,7 +8,8 @@ tensors share memory), and a sliding-window group's blocks before its window are
 null block (``NULL_BLOCK``): KV nobody keeps, nor reads. So the connector copies each
 layer through its own group's table. A page still holds every layer of its tokens; a
 sliding-window layer's span of a page past its window holds the null block's bytes (never
-read: attention masks them), and nothing is ever loaded into the null block.
+read: the decode engine's table nulls at least those blocks), and nothing is ever loaded
+into the null block.
 
 An engine with a sliding-window group loads all but the prompt's last token (``windowed``):
 vLLM recomputes the last token of a prompt loaded whole, and sizes the sliding-window table

@@ -34,8 +34,46 @@ def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
     ``sliding_window`` (tokens), a hybrid: every second layer attends only to that many
     recent tokens (``layer_types``), the others to all, so vLLM keeps two block tables."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = write_tokenizer(directory)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM, max_position_embeddings=2048, initializer_range=initializer_range,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=DTYPE,
+        **hybrid_layers(layers, sliding_window))
+    model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def build_mamba_hybrid(directory: str, *, seed: int = 0) -> Path:
+    """Write a Mamba2 hybrid (IBM Granite's architecture, ``GraniteMoeHybridForCausalLM``:
+    Mamba2 layers 0 and 2, attention layers 1 and 3, no experts) with the tokenizer to
+    ``directory``; its path."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    out = write_tokenizer(directory)
+    torch.manual_seed(seed)
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_local_experts=0,
+        shared_intermediate_size=2 * HIDDEN, layer_types=["mamba", "attention"] * 2,
+        mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=64, position_embedding_type="rope",
+        max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False, torch_dtype=DTYPE, initializer_range=0.08)
+    model = GraniteMoeHybridForCausalLM(config).to(getattr(torch, DTYPE))
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def write_tokenizer(directory: str) -> Path:
+    """Write the word-level tokenizer (``w0`` ... ``wN``) to ``directory`` (created); its path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -48,15 +86,6 @@ def build(directory: str, *, seed: int = 0, layers: int = LAYERS,
         "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
         "eos_token": "</s>", "model_max_length": 2048, "add_bos_token": False,
     }))
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-        num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM, max_position_embeddings=2048, initializer_range=initializer_range,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype=DTYPE,
-        **hybrid_layers(layers, sliding_window))
-    model = LlamaForCausalLM(config).to(getattr(torch, DTYPE))
-    model.save_pretrained(out, safe_serialization=True)
     return out
 
 
