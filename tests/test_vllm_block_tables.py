@@ -67,19 +67,27 @@ def test_one_group_is_one_table_and_groups_kvxfer_cannot_page_are_refused_by_nam
         layer_tables(hybrid_config(), [FULL, SLIDING, "model.layers.2.self_attn.attn"], 32)
 
 
-def hand_off_hybrid(spawn: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                         torch.Tensor, set[str]]:
-    """A 4-block prompt of a hybrid engine to another: the prefill KV, the decode KV, the
-    decode KV before, and the loads reported failed. Full-attention tables: prefill
-    3, 7, 9, 11 and decode 1, 2, 4, 6; sliding-window tables: prefill 0, 0, 5, 12 and
-    decode 0, 0, 10, 13 (null blocks before the window)."""
+#: A 4-block prompt: full-attention tables (prefill, decode), then sliding-window tables
+#: with null blocks before the window.
+FOUR_BLOCKS = (([3, 7, 9, 11], [0, 0, 5, 12]), ([1, 2, 4, 6], [0, 0, 10, 13]))
+
+
+def hand_off_hybrid(spawn: Any, tokens: int = 128, tables: Any = FOUR_BLOCKS,
+                    computes_last_token: bool = False
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor,
+                               set[str]]:
+    """A prompt of ``tokens`` of a hybrid engine to another, in the prefill's and the
+    decode's ``tables``: the prefill KV, the decode KV, the decode KV before, and the loads
+    reported failed."""
     pool = pool_flag(LAYOUT, "kv", 64)
     pre, dec = spawn("prefill", [pool]), spawn("decode", [pool])
+    (full_p, sliding_p), (full_d, sliding_d) = tables
     with KvxferClient(pre.worker_address) as client:
         sched_p = SchedulerSide(settings(pre.worker_address), LAYOUT, MODEL, "P", producer=True,
                                 consumer=False, client=client)
         sched_d = SchedulerSide(settings(dec.worker_address), LAYOUT, MODEL, "D", producer=False,
-                                consumer=True, client=None)
+                                consumer=True, client=None,
+                                computes_last_token=computes_last_token)
         work_p = WorkerSide(settings(pre.worker_address), LAYOUT, "P", kv_cache_config=hybrid_config())
         work_d = WorkerSide(settings(dec.worker_address), LAYOUT, "D", kv_cache_config=hybrid_config())
         kv_p, kv_d = shared_kv(1), shared_kv(2)
@@ -87,18 +95,18 @@ def hand_off_hybrid(spawn: Any) -> tuple[dict[str, torch.Tensor], dict[str, torc
         work_p.register_kv_caches(kv_p)
         work_d.register_kv_caches(kv_d)
         try:
-            tables_p = ([3, 7, 9, 11], [0, 0, 5, 12])
-            req = Request("h-p", 128, {"do_remote_decode": True})
-            sched_p.update_state_after_alloc(req, tables_p, 0)
-            work_p.bind(sched_p.build_plan({"h-p": (0, 128)}, lambda _: tables_p))
+            req = Request("h-p", tokens, {"do_remote_decode": True})
+            sched_p.update_state_after_alloc(req, (full_p, sliding_p), 0)
+            work_p.bind(sched_p.build_plan({"h-p": (0, tokens)}, lambda _: (full_p, sliding_p)))
             for layer, kv in kv_p.items():
                 work_p.save_kv_layer(layer, kv)
             work_p.wait_for_save()
             params = sched_p.request_finished(req)
             assert params is not None
-            dreq = Request("h-d", 128, params)
-            assert sched_d.get_num_new_matched_tokens(dreq, 0) == (128, True)
-            sched_d.update_state_after_alloc(dreq, ([1, 2, 4, 6], [0, 0, 10, 13]), 128)
+            dreq = Request("h-d", tokens, params)
+            loaded = tokens - 1 if computes_last_token else tokens
+            assert sched_d.get_num_new_matched_tokens(dreq, 0) == (loaded, True)
+            sched_d.update_state_after_alloc(dreq, (full_d, sliding_d), loaded)
             work_d.bind(sched_d.build_plan({}, lambda _: []))
             work_d.start_load_kv()
             wait_finished(work_d, "h-d", timeout_s=30)
@@ -127,3 +135,17 @@ def test_negative_control_one_table_for_every_layer_puts_the_sliding_layers_kv_e
     kv_p, kv_d, _, failed = hand_off_hybrid(spawn)
     assert failed == set()
     assert not torch.equal(kv_d[SLIDING][[10, 13]], kv_p[SLIDING][[5, 12]])
+
+
+def test_with_a_sliding_window_the_last_token_is_left_to_the_engine_even_past_a_block(
+        spawn) -> None:
+    """A 129-token prompt on an engine that computes a prompt's last token: 128 are loaded,
+    into the 4 blocks vLLM allocated for them (the 5th, the last token's, comes when vLLM
+    computes it): the 5th page goes nowhere, and nothing else changes."""
+    tables = (([3, 7, 9, 11, 14], [0, 0, 5, 12, 15]), ([1, 2, 4, 6], [0, 0, 10, 13]))
+    kv_p, kv_d, before, failed = hand_off_hybrid(spawn, 129, tables, computes_last_token=True)
+    assert failed == set()
+    assert torch.equal(kv_d[FULL][[1, 2, 4, 6]], kv_p[FULL][[3, 7, 9, 11]])
+    assert torch.equal(kv_d[SLIDING][[10, 13]], kv_p[SLIDING][[5, 12]])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (1, 2, 4, 6, 10, 13)]
+    assert torch.equal(kv_d[FULL][untouched], before[untouched])

@@ -46,13 +46,14 @@ HERE = Path(__file__).resolve().parent
 WINDOW = 48
 #: Prompt lengths, in words (one token each): all past the window.
 #: (143: the oldest token of the last one's window is the last of a block that vLLM would
-#: null, had it been told the whole prompt was loaded: ``block_tables.windowed``.)
-LENGTHS = (143, 230)
+#: null, had it been told the whole prompt was loaded: ``block_tables.windowed``; 161: the
+#: last token starts a block, which vLLM allocates only once it computes that token.)
+LENGTHS = (143, 161)
 #: An offer's lifetime unless kept (the connector's ``timeout_s``), in seconds.
-OFFER_S = 2.0
+OFFER_S = 4.0
 #: Prompts queued at once at a decode engine behind ``BLOCKERS`` plain requests of ``LONG``
-#: tokens each (each 1.5 s here: the queue lasts several offer lifetimes).
-QUEUED, BLOCKERS, LONG = 4, 4, 900
+#: tokens each (each 1.3 s here: the queue lasts over twice an offer's lifetime).
+QUEUED, BLOCKERS, LONG = 4, 8, 900
 #: vLLM's count of prompt tokens by where they came from.
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
 

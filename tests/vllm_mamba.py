@@ -21,7 +21,7 @@ from kvxfer.client.integrations.vllm.deploy import VllmServer, connector_config
 from kvxfer.client.integrations.vllm.tiny_model import build_mamba_hybrid, prompt
 
 #: How long the engine with the connector may take to stop (it loads the model first).
-REFUSAL_S = 240
+REFUSAL_S = 300
 
 
 def main() -> None:

@@ -176,7 +176,12 @@ class VllmServer:
                 path.unlink(missing_ok=True)
 
     def __enter__(self) -> VllmServer:
-        self.spawn().wait_ready()
+        self.spawn()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.client.engine_core.head_split import pulled_ranks
+from kvxfer.client.integrations.vllm.block_tables import NULL_BLOCK
 from kvxfer.client.integrations.vllm.digest import engine_binding, prompt_digest
 from kvxfer.client.integrations.vllm.layout import BlockLayout
 from kvxfer.client.integrations.vllm.model_identity import ModelIdentity
@@ -222,13 +223,23 @@ class SchedulerSide:
         num_pages = math.ceil(int(request.num_prompt_tokens) / layout.page_size)
         num_blocks = math.ceil(int(request.num_prompt_tokens) / layout.block_size)
         first_block = local // layout.block_size
+        tables = tuple(self._loaded_blocks(table[first_block:num_blocks],
+                                           num_blocks - first_block) for table in block_tables)
         self._new_loads.append(Load(request.request_id, remote.transfer_id, remote.peer,
                                     num_pages, first_block * layout.token_pages_per_block,
-                                    tuple(tuple(table[first_block:num_blocks])
-                                          for table in block_tables),
-                                    remote.layout.tp_size, capabilities=remote.capabilities,
-                                    prompt_digest=digest, planned_unix=time.time()))
+                                    tables, remote.layout.tp_size,
+                                    capabilities=remote.capabilities, prompt_digest=digest,
+                                    planned_unix=time.time()))
         self._loading.add(request.request_id)
+
+    def _loaded_blocks(self, blocks: Sequence[int], count: int) -> tuple[int, ...]:
+        """``blocks``, the ``count`` blocks a load fills; where the engine computes the
+        prompt's last token and it starts a block (``computes_last_token``), vLLM has not
+        allocated that block yet: its page goes nowhere (``NULL_BLOCK``)."""
+        missing = count - len(blocks)
+        if 0 < missing <= self._held_back:
+            return (*blocks, *(NULL_BLOCK,) * missing)
+        return tuple(blocks)
 
     def finished_loading(self, req_ids: set[str]) -> None:
         """The worker reported these loads finished (or failed)."""
