@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_vllm_connector import LAYOUT, MODEL, Request, settings, wait_finished
+from test_vllm_connector import LAYOUT, MODEL, Request, save_prompt, settings, wait_finished
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm.layout import BlockLayout, pool_flag
@@ -60,14 +60,8 @@ def hand_off(pre: Any, dec: Any, layouts: tuple[BlockLayout, BlockLayout], src: 
         try:
             work_p.register_kv_caches(kv_p)
             work_d.register_kv_caches(kv_d)
-            req = Request("r", count, {"do_remote_decode": True})
-            sched_p.update_state_after_alloc(req, (src,), 0)
-            work_p.bind(sched_p.build_plan({"r": (0, count)}, lambda _: (src,)))
-            for name, kv in kv_p.items():
-                work_p.save_kv_layer(name, kv)
-            work_p.wait_for_save()
-            params = sched_p.request_finished(req)
-            assert params is not None
+            params = save_prompt(sched_p, work_p, kv_p,
+                                 Request("r", count, {"do_remote_decode": True}), (src,))
             dreq = Request("u", count, params)
             assert sched_d.get_num_new_matched_tokens(dreq, local) == (count - local, True)
             sched_d.update_state_after_alloc(dreq, (dst,), count - local)

@@ -15,7 +15,15 @@ from typing import Any
 
 import pytest
 import torch
-from test_vllm_connector import LAYOUT, MODEL, NUM_BLOCKS, Request, settings, wait_finished
+from test_vllm_connector import (
+    LAYOUT,
+    MODEL,
+    NUM_BLOCKS,
+    Request,
+    save_prompt,
+    settings,
+    wait_finished,
+)
 
 from kvxfer.client import KvxferClient
 from kvxfer.client.integrations.vllm import worker as worker_module
@@ -95,14 +103,9 @@ def hand_off_hybrid(spawn: Any, tokens: int = 128, tables: Any = FOUR_BLOCKS,
         work_p.register_kv_caches(kv_p)
         work_d.register_kv_caches(kv_d)
         try:
-            req = Request("h-p", tokens, {"do_remote_decode": True})
-            sched_p.update_state_after_alloc(req, (full_p, sliding_p), 0)
-            work_p.bind(sched_p.build_plan({"h-p": (0, tokens)}, lambda _: (full_p, sliding_p)))
-            for layer, kv in kv_p.items():
-                work_p.save_kv_layer(layer, kv)
-            work_p.wait_for_save()
-            params = sched_p.request_finished(req)
-            assert params is not None
+            params = save_prompt(sched_p, work_p, kv_p,
+                                 Request("h-p", tokens, {"do_remote_decode": True}),
+                                 (full_p, sliding_p))
             dreq = Request("h-d", tokens, params)
             loaded = tokens - 1 if computes_last_token else tokens
             assert sched_d.get_num_new_matched_tokens(dreq, 0) == (loaded, True)

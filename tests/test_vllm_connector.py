@@ -63,6 +63,21 @@ def kv_caches(seed: int) -> dict[str, torch.Tensor]:
             .to(torch.bfloat16) for i in range(2)}
 
 
+def save_prompt(sched: SchedulerSide, worker: WorkerSide, kv: dict[str, torch.Tensor],
+                req: Request, tables: tuple[list[int], ...]) -> dict[str, Any]:
+    """A prefill engine's halves finish ``req`` (``do_remote_decode``) in blocks ``tables``
+    (one per KV cache group) in one step and save it: the params its response carries."""
+    tokens = req.num_prompt_tokens
+    sched.update_state_after_alloc(req, tables, 0)
+    worker.bind(sched.build_plan({req.request_id: (0, tokens)}, lambda _: tables))
+    for layer, blocks in kv.items():
+        worker.save_kv_layer(layer, blocks)
+    worker.wait_for_save()
+    params = sched.request_finished(req)
+    assert params is not None, "the prefill side offered nothing"
+    return params
+
+
 def settings(daemon: str, **extra: Any):
     return load_settings({"daemon": daemon, "pool": "kv", "timeout_s": 20, **extra})
 
@@ -96,16 +111,8 @@ class Engines:
     def prefill(self, req_id: str, src: list[int], seed: int = 0) -> dict[str, Any]:
         """Prefill a prompt of ``len(src)`` blocks (token ids shifted by ``seed``) in blocks
         ``src`` and save it: the params its response carries."""
-        tokens = 32 * len(src)
-        req = Request(req_id, tokens, {"do_remote_decode": True}, seed=seed)
-        self.sched_p.update_state_after_alloc(req, (src,), 0)
-        self.work_p.bind(self.sched_p.build_plan({req_id: (0, tokens)}, lambda _: (src,)))
-        for layer, kv in self.kv_p.items():
-            self.work_p.save_kv_layer(layer, kv)
-        self.work_p.wait_for_save()
-        params = self.sched_p.request_finished(req)
-        assert params is not None, "the prefill side offered nothing"
-        return params
+        req = Request(req_id, 32 * len(src), {"do_remote_decode": True}, seed=seed)
+        return save_prompt(self.sched_p, self.work_p, self.kv_p, req, (src,))
 
     def hand_off(self, name: str, src: list[int], dst: list[int]) -> tuple[bool, set[str]]:
         """One prompt of ``len(src)`` blocks from prefill blocks ``src`` to decode blocks
